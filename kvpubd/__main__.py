@@ -1,0 +1,3 @@
+from kvpubd.cli import main
+
+main()

@@ -1,0 +1,156 @@
+"""One rank's KV cache: block pool + radix index + open requests, reporting to its sink.
+
+Every operation validates first and mutates after, so a refused request changes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpubd.config import CacheConfig
+from kvpubd.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
+from kvpubd.pool import BlockPool
+from kvpubd.radix import Node, RadixIndex
+from kvpubd.sink import EventSink
+from kvpubd.wire import BlockStored
+
+RequestId = str | int
+
+
+class CacheError(Exception):
+    """A refused operation; ``code`` is the control protocol's error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class Lease:
+    """The blocks an open request pins: its full blocks (cached) and its partial tail block."""
+
+    nodes: list[Node]
+    tail_block: int | None
+
+
+class RankCache:
+    def __init__(self, config: CacheConfig, sink: EventSink, hash_format: HashFormat) -> None:
+        self.block_size = config.block_size
+        self.pool = BlockPool(config.num_blocks, config.block_bytes, config.scrub_on_free)
+        self.index = RadixIndex()
+        # Token ids of each cached block, indexed by block id (kept for snapshots).
+        self.tokens = np.zeros((config.num_blocks, config.block_size), dtype=TOKEN_DTYPE)
+        self.leases: dict[RequestId, Lease] = {}
+        self.sink = sink
+        self.wire_hash = wire_hasher(hash_format)
+
+    @property
+    def pinned_blocks(self) -> int:
+        tails = sum(1 for lease in self.leases.values() if lease.tail_block is not None)
+        return len(self.index) - self.index.unpinned + tails
+
+    def store(
+        self,
+        request_id: RequestId,
+        tokens: np.ndarray,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[list[int], int]:
+        """Match the cached prefix, allocate and pin the rest; return (block_ids, cached tokens)."""
+        if request_id in self.leases:
+            raise CacheError("duplicate_request", f"request {request_id!r} is already open")
+        size = self.block_size
+        digests = chain_digests(tokens, size, root_key(lora_id, cache_salt))
+        matched = self.index.match(digests)
+        new_count = len(digests) - len(matched)
+        has_tail = len(tokens) % size != 0
+        needed = new_count + has_tail
+        reusable = self.index.unpinned - sum(1 for node in matched if node.refs == 0)
+        available = self.pool.free_count + reusable
+        if needed > available:
+            raise CacheError(
+                "pool_exhausted",
+                f"request needs {needed} blocks but only {available} can be freed: "
+                f"the other {self.pool.num_blocks - available} are pinned by open requests",
+            )
+
+        index = self.index
+        index.pin(matched)
+        shortfall = needed - self.pool.free_count
+        if shortfall > 0:
+            self._evict(shortfall)
+        block_ids = self.pool.allocate(needed)
+        new_ids = block_ids[:new_count]
+        nodes = list(matched)
+        parent = matched[-1] if matched else None
+        for digest, block_id in zip(digests[len(matched) :], new_ids, strict=False):
+            parent = index.insert(digest, block_id, parent, lora_id, lora_name)
+            nodes.append(parent)
+        if new_count:
+            first = len(matched) * size
+            new_tokens = tokens[first : first + new_count * size]
+            self.tokens[new_ids] = new_tokens.reshape(new_count, size)
+            root_parent = matched[-1] if matched else None
+            wire_hash = self.wire_hash
+            self.sink.stored(
+                root_parent.block_id if root_parent else None,
+                new_ids,
+                [wire_hash(node.digest) for node in nodes[len(matched) :]],
+                wire_hash(root_parent.digest) if root_parent else None,
+                new_tokens,
+                lora_id,
+                lora_name,
+            )
+        self.leases[request_id] = Lease(nodes, block_ids[new_count] if has_tail else None)
+        return [node.block_id for node in nodes] + block_ids[new_count:], len(matched) * size
+
+    def _evict(self, count: int) -> None:
+        evicted = [self.index.evict_one() for _ in range(count)]
+        wire_hash = self.wire_hash
+        self.sink.removed((node.block_id, wire_hash(node.digest)) for node in evicted)
+        self.pool.free([node.block_id for node in evicted])
+
+    def release(self, request_id: RequestId) -> int:
+        """Unpin an open request's blocks; returns how many it held."""
+        lease = self.leases.pop(request_id, None)
+        if lease is None:
+            raise CacheError("unknown_request", f"request {request_id!r} is not open")
+        self.index.unpin(lease.nodes)
+        if lease.tail_block is not None:
+            self.pool.free([lease.tail_block])
+        return len(lease.nodes) + (lease.tail_block is not None)
+
+    def reset(self) -> RadixIndex:
+        """Drop every block and request and capture the marker. Returns the old index, whose
+        teardown the caller defers until after the reply."""
+        self.leases = {}
+        old = self.index.clear()
+        self.pool.free_all()
+        self.sink.cleared()
+        return old
+
+    def snapshot(self) -> list[BlockStored]:
+        """The published blocks as one-block stores, parents before children."""
+        wire_hash = self.wire_hash
+        size = self.block_size
+        medium = self.sink.medium
+        events = []
+        for block_id in self.sink.published:
+            node = self.index.node_for_block(block_id)
+            assert node is not None, "published block missing from the index"
+            parent = node.parent
+            events.append(
+                BlockStored(
+                    [wire_hash(node.digest)],
+                    wire_hash(parent.digest) if parent is not None else None,
+                    self.tokens[block_id].tolist(),
+                    size,
+                    node.lora_id,
+                    medium,
+                    node.lora_name,
+                )
+            )
+        return events

@@ -1,0 +1,348 @@
+"""Clients of a running daemon: ``ControlClient`` for the control socket, ``Subscriber`` for
+the event stream (with gap repair through replay) and ``Mirror``, a cache view rebuilt from
+published events alone."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvpubd.config import default_control_endpoint, rank_endpoint
+from kvpubd.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    decode_batch,
+    unpack_seq,
+)
+
+
+class ControlError(Exception):
+    """The daemon refused a request; ``code`` is its error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ControlTimeout(TimeoutError):
+    """No reply within the timeout: the daemon is not running or not reachable there."""
+
+
+class ControlClient:
+    """Synchronous control client over a DEALER socket. Replies are matched by id, so a late
+    reply to a timed-out request never answers the next one."""
+
+    def __init__(
+        self, endpoint: str | None = None, timeout: float = 5.0, context: zmq.Context | None = None
+    ) -> None:
+        self.endpoint = endpoint or default_control_endpoint()
+        self.timeout = timeout
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._sock = self._context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.endpoint)
+        self._ids = itertools.count(1)
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+        if self._own_context:
+            self._context.term()
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        """Send frames as they are (after the delimiter), for protocol tests."""
+        self._sock.send_multipart([b"", *frames])
+
+    def recv_raw(self, timeout: float | None = None) -> dict[str, Any]:
+        if not self._sock.poll(int((self.timeout if timeout is None else timeout) * 1000)):
+            raise ControlTimeout(f"no reply from {self.endpoint}")
+        frames = self._sock.recv_multipart()
+        return msgpack.unpackb(frames[-1], raw=False)
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request; return the reply map, or raise ControlError / ControlTimeout."""
+        request_id = next(self._ids)
+        self.send_raw([msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)])
+        while True:
+            reply = self.recv_raw()
+            if reply.get("id") == request_id:
+                break
+        if not reply.get("ok"):
+            error = reply.get("error") or {}
+            raise ControlError(str(error.get("code")), str(error.get("message")))
+        return reply
+
+    def ping(self) -> dict[str, Any]:
+        return self.call("ping")
+
+    def stats(self) -> dict[str, Any]:
+        return self.call("stats")
+
+    def store(self, request_id: str | int, token_ids: list[int], **fields: Any) -> dict[str, Any]:
+        return self.call("store", request_id=request_id, token_ids=token_ids, **fields)
+
+    def release(self, request_id: str | int) -> dict[str, Any]:
+        return self.call("release", request_id=request_id)
+
+    def reset(self, rank: int | None = None, force: bool = False) -> list[dict[str, int]]:
+        fields: dict[str, Any] = {"force": force}
+        if rank is not None:
+            fields["rank"] = rank
+        return self.call("reset", **fields)["markers"]
+
+    def pause(self) -> dict[str, Any]:
+        return self.call("pause")
+
+    def resume(self) -> dict[str, Any]:
+        return self.call("resume")
+
+    def snapshot(self, rank: int = 0) -> dict[str, Any]:
+        return self.call("snapshot", rank=rank)
+
+
+@dataclass(slots=True)
+class Received:
+    """One batch as a subscriber sees it."""
+
+    rank: int
+    seq: int
+    batch: EventBatch
+    payload: bytes
+    replayed: bool
+
+
+@dataclass
+class StreamCounters:
+    batches: int = 0
+    gaps: int = 0
+    repaired: int = 0
+    duplicates: int = 0
+    lost: int = 0  # seqs that replay could not return any more
+
+
+class _RankStream:
+    def __init__(self, context: zmq.Context, rank: int, endpoint: str, replay: str, topic: bytes):
+        self.rank = rank
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        self.replay_endpoint = replay
+        self.context = context
+        self.last_seq: int | None = None
+
+
+class Subscriber:
+    """Reads one or more ranks' streams in seq order, repairing gaps through replay.
+
+    ``endpoint`` and ``replay_endpoint`` are the daemon's configured base endpoints; each rank's
+    own endpoint is derived from them as the daemon does.
+
+    On connect each rank is replayed from seq 0 (ZeroMQ drops what a SUB gets before it is
+    connected); later gaps are replayed from the last seq + 1. Seqs the replay buffer no
+    longer holds are counted as ``lost``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        ranks: int = 1,
+        topic: str = "",
+        replay_timeout: float = 5.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self.replay_timeout = replay_timeout
+        self.counters = StreamCounters()
+        self._streams = [
+            _RankStream(
+                self._context,
+                rank,
+                rank_endpoint(endpoint, rank),
+                rank_endpoint(replay_endpoint, rank) if replay_endpoint else "",
+                topic.encode(),
+            )
+            for rank in range(ranks)
+        ]
+        self._poller = zmq.Poller()
+        for stream in self._streams:
+            self._poller.register(stream.sub, zmq.POLLIN)
+        self._ready: list[Received] = []
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.sub.close()
+        if self._own_context:
+            self._context.term()
+
+    def last_seq(self, rank: int = 0) -> int | None:
+        return self._streams[rank].last_seq
+
+    def catch_up(self) -> list[Received]:
+        """Replay every rank from what it has seen (from 0 at first)."""
+        out: list[Received] = []
+        for stream in self._streams:
+            out.extend(self._replay(stream))
+        return out
+
+    def receive(self, timeout: float) -> list[Received]:
+        """Batches that arrived within ``timeout`` seconds, in seq order per rank."""
+        ready = dict(self._poller.poll(int(timeout * 1000)))
+        out: list[Received] = []
+        for stream in self._streams:
+            if stream.sub not in ready:
+                continue
+            while True:
+                try:
+                    frames = stream.sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                out.extend(self._accept(stream, frames))
+        return out
+
+    def __iter__(self) -> Iterator[Received]:
+        yield from self.catch_up()
+        while True:
+            yield from self.receive(0.1)
+
+    def _accept(self, stream: _RankStream, frames: list[bytes]) -> list[Received]:
+        if len(frames) != 3:
+            raise ValueError(f"rank {stream.rank}: live message has {len(frames)} frames, not 3")
+        seq = unpack_seq(frames[1])
+        last = stream.last_seq
+        if last is not None and seq <= last:
+            self.counters.duplicates += 1
+            return []
+        out: list[Received] = []
+        if last is None or seq > last + 1:
+            if last is not None:
+                self.counters.gaps += 1
+            out.extend(self._replay(stream))
+            if stream.last_seq is not None and seq <= stream.last_seq:
+                return out
+            if stream.last_seq is not None and seq > stream.last_seq + 1:
+                self.counters.lost += seq - stream.last_seq - 1
+        out.append(self._deliver(stream, seq, frames[2], replayed=False))
+        return out
+
+    def _deliver(self, stream: _RankStream, seq: int, payload: bytes, replayed: bool) -> Received:
+        stream.last_seq = seq
+        self.counters.batches += 1
+        if replayed:
+            self.counters.repaired += 1
+        return Received(stream.rank, seq, decode_batch(payload), payload, replayed)
+
+    def _replay(self, stream: _RankStream) -> list[Received]:
+        if not stream.replay_endpoint:
+            return []
+        start = 0 if stream.last_seq is None else stream.last_seq + 1
+        out: list[Received] = []
+        for seq, payload in replay(
+            stream.replay_endpoint, start, timeout=self.replay_timeout, context=self._context
+        ):
+            if stream.last_seq is not None and seq <= stream.last_seq:
+                continue
+            if (stream.last_seq is None and seq != 0) or (
+                stream.last_seq is not None and seq > stream.last_seq + 1
+            ):
+                expected = 0 if stream.last_seq is None else stream.last_seq + 1
+                self.counters.lost += seq - expected
+            out.append(self._deliver(stream, seq, payload, replayed=True))
+        return out
+
+
+def replay(
+    endpoint: str, start_seq: int, *, timeout: float = 5.0, context: zmq.Context | None = None
+) -> list[tuple[int, bytes]]:
+    """Ask a replay socket for every retained batch from ``start_seq``: [(seq, payload)]."""
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        batches: list[tuple[int, bytes]] = []
+        while True:
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError(f"replay from {endpoint} did not finish")
+            frames = sock.recv_multipart()
+            # [b"", topic, seq, payload] (v026) or [b"", seq, payload] (legacy)
+            seq_frame, payload = frames[-2], frames[-1]
+            if seq_frame == END_SEQ:
+                return batches
+            batches.append((unpack_seq(seq_frame), payload))
+    finally:
+        sock.close()
+
+
+class MirrorError(AssertionError):
+    """The published stream broke an invariant routers rely on."""
+
+
+@dataclass
+class Mirror:
+    """The cache as a router sees it, built only from published events. Applying an event
+    that breaks DESIGN.md's invariants raises MirrorError."""
+
+    block_size: int | None = None
+    blocks: dict[BlockHash, BlockStored] = field(default_factory=dict)
+
+    def apply(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                self.blocks.clear()
+            elif isinstance(event, BlockStored):
+                self._store(event)
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    if block_hash not in self.blocks:
+                        raise MirrorError(f"BlockRemoved names unknown block {block_hash!r}")
+                    del self.blocks[block_hash]
+
+    def _store(self, event: BlockStored) -> None:
+        size = event.block_size
+        if self.block_size is not None and size != self.block_size:
+            raise MirrorError(f"block_size {size} != {self.block_size}")
+        if len(event.token_ids) != len(event.block_hashes) * size:
+            raise MirrorError("token_ids length is not blocks x block_size")
+        parent = event.parent_block_hash
+        if parent is not None and parent not in self.blocks:
+            raise MirrorError(f"BlockStored parent {parent!r} is not live")
+        for i, block_hash in enumerate(event.block_hashes):
+            if block_hash in self.blocks:
+                raise MirrorError(f"BlockStored repeats live block {block_hash!r}")
+            self.blocks[block_hash] = BlockStored(
+                [block_hash],
+                parent,
+                event.token_ids[i * size : (i + 1) * size],
+                size,
+                event.lora_id,
+                event.medium,
+                event.lora_name,
+            )
+            parent = block_hash

@@ -1,0 +1,224 @@
+"""Daemon configuration: pydantic models, loaded from TOML then overridden by KVPUBD_* env."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+MAX_RANKS = 64
+# Bytes per element of each supported KV dtype; the pool itself is raw bytes.
+DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "uint8": 1}
+
+
+def default_runtime_dir() -> Path:
+    """Owner-only directory for the control socket: $XDG_RUNTIME_DIR/kvpubd or /tmp/kvpubd-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return Path(base) / "kvpubd"
+    return Path(f"/tmp/kvpubd-{os.getuid()}")
+
+
+def default_control_endpoint() -> str:
+    return f"ipc://{default_runtime_dir() / 'control.sock'}"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line naming the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EventsConfig(_Section):
+    endpoint: str = "tcp://*:5557"
+    # Empty string turns replay off. The default sits 100 ports above the PUB range so that
+    # up to 64 ranks never collide.
+    replay_endpoint: str = "tcp://*:5657"
+    topic: str = ""
+    wire_format: Literal["map", "array"] = "map"
+    hash_format: Literal["u64", "i64", "bytes"] = "u64"
+    replay_framing: Literal["v026", "legacy"] = "v026"
+    buffer_steps: int = Field(10_000, ge=1, le=10_000_000)
+    hwm: int = Field(100_000, ge=0)
+    max_events_per_tick: int = Field(50_000, ge=1)
+    tick_interval_ms: float = Field(10.0, gt=0, le=60_000)
+    medium: str | None = None
+    # Immediate publication of reset markers; off only to measure the engines' behaviour.
+    flush_on_reset: bool = True
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str) -> str:
+        return check_endpoint(value)
+
+    @field_validator("replay_endpoint")
+    @classmethod
+    def _check_replay(cls, value: str) -> str:
+        return check_endpoint(value) if value else value
+
+
+class ControlConfig(_Section):
+    endpoint: str = Field(default_factory=default_control_endpoint)
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_tokens_per_request: int = Field(1_000_000, ge=1)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str) -> str:
+        return check_endpoint(value)
+
+
+class CacheConfig(_Section):
+    device: str = "cpu"
+    num_blocks: int = Field(1024, ge=1, le=1 << 31)
+    block_size: int = Field(16, ge=1, le=4096)
+    num_layers: int = Field(2, ge=1)
+    num_kv_heads: int = Field(8, ge=1)
+    head_dim: int = Field(64, ge=1)
+    dtype: Literal["float16", "bfloat16", "float32", "float8", "uint8"] = "float16"
+    scrub_on_free: bool = True
+    data_parallel_size: int = Field(1, ge=1, le=MAX_RANKS)
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if value == "cpu":
+            return value
+        if re.fullmatch(r"cuda:\d+", value):
+            raise ValueError(f"{value!r}: the CuPy GPU pool is not built yet; use 'cpu'")
+        raise ValueError(f"{value!r} is not a device; use 'cpu' or 'cuda:N'")
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V for every layer, token, head and channel of one block."""
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return per_token * self.block_size * DTYPE_SIZES[self.dtype]
+
+
+class ServiceConfig(_Section):
+    loop: Literal["uvloop", "asyncio"] = "uvloop"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # How long shutdown waits for ZeroMQ to hand queued messages to subscribers.
+    linger_ms: int = Field(2000, ge=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVPUBD_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    events: EventsConfig = EventsConfig()
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    cache: CacheConfig = CacheConfig()
+    service: ServiceConfig = ServiceConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the file (passed as init kwargs).
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _check_port_ranges(self) -> Settings:
+        ranks = self.cache.data_parallel_size
+        ranges: list[tuple[str, range]] = []
+        for key, endpoint, width in (
+            ("events.endpoint", self.events.endpoint, ranks),
+            ("events.replay_endpoint", self.events.replay_endpoint, ranks),
+            ("control.endpoint", self.control.endpoint, 1),
+        ):
+            port = tcp_port(endpoint) if endpoint else None
+            if port is None:
+                continue
+            if port + width - 1 > 65535:
+                raise ValueError(f"{key}: ports {port}..{port + width - 1} exceed 65535")
+            here = range(port, port + width)
+            for other_key, other in ranges:
+                if set(here) & set(other):
+                    raise ValueError(
+                        f"{key}: ports {here.start}..{here.stop - 1} overlap {other_key} "
+                        f"ports {other.start}..{other.stop - 1}"
+                    )
+            ranges.append((key, here))
+        return self
+
+    @property
+    def medium(self) -> str:
+        if self.events.medium is not None:
+            return self.events.medium
+        return "CPU" if self.cache.device == "cpu" else "GPU"
+
+
+def check_endpoint(value: str) -> str:
+    if not re.match(r"^(tcp|ipc|inproc)://.+", value):
+        raise ValueError(f"{value!r} is not a ZeroMQ endpoint (tcp://, ipc:// or inproc://)")
+    if value.startswith("tcp://") and tcp_port(value) is None:
+        raise ValueError(f"{value!r} needs a numeric port (tcp://host:port)")
+    return value
+
+
+def tcp_port(endpoint: str) -> int | None:
+    """The port of a tcp endpoint, or None for ipc/inproc and unparseable ports."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    _, _, port = endpoint.rpartition(":")
+    return int(port) if port.isdigit() and 0 < int(port) <= 65535 else None
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Per-rank endpoint: tcp gets base_port + rank, ipc/inproc get the suffix _dp<rank>."""
+    port = tcp_port(endpoint)
+    if port is not None:
+        host = endpoint.rpartition(":")[0]
+        return f"{host}:{port + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    """Read the TOML file (if any), apply KVPUBD_* overrides, validate; raise ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path}: not found") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line: the first problem, naming its dotted key."""
+    first = exc.errors()[0]
+    key = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    if not key:
+        return f"{message}{extra}"
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    return f"{key}: {message}{extra}"

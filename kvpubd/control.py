@@ -1,0 +1,125 @@
+"""The control protocol: request models, parsing and replies. Transport-free.
+
+A request is one msgpack map ``{"op": ..., "id": any?, ...}``; the reply is one msgpack map
+``{"ok": true, "id": ..., ...}`` or ``{"ok": false, "id": ..., "error": {"code", "message"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+RequestId = Annotated[str | int, Field(union_mode="left_to_right")]
+Rank = Annotated[int, Field(ge=0)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    id: Any = None
+
+
+class Ping(_Request):
+    op: Literal["ping"]
+
+
+class Stats(_Request):
+    op: Literal["stats"]
+
+
+class Store(_Request):
+    op: Literal["store"]
+    request_id: RequestId
+    token_ids: list[int]
+    rank: Rank = 0
+    lora_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class Release(_Request):
+    op: Literal["release"]
+    request_id: RequestId
+
+
+class Reset(_Request):
+    op: Literal["reset"]
+    rank: Rank | None = None
+    force: bool = False
+
+
+class Pause(_Request):
+    op: Literal["pause"]
+
+
+class Resume(_Request):
+    op: Literal["resume"]
+
+
+class Snapshot(_Request):
+    op: Literal["snapshot"]
+    rank: Rank = 0
+
+
+Request = Annotated[
+    Ping | Stats | Store | Release | Reset | Pause | Resume | Snapshot, Field(discriminator="op")
+]
+OPS = ("ping", "stats", "store", "release", "reset", "pause", "resume", "snapshot")
+_request_adapter: TypeAdapter[Request] = TypeAdapter(Request)
+
+
+class ProtocolError(Exception):
+    """A request refused before it reached the cache; carries the id when one was readable."""
+
+    def __init__(self, code: str, message: str, request_id: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+def parse_request(frame: bytes, max_bytes: int) -> Request:
+    """Decode and validate one request frame, or raise ProtocolError."""
+    if len(frame) > max_bytes:
+        raise ProtocolError("too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False)
+    except Exception as exc:
+        raise ProtocolError("bad_request", f"request is not one msgpack object: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(
+            "bad_request", f"request must be a msgpack map, got {type(obj).__name__}"
+        )
+    request_id = obj.get("id")
+    op = obj.get("op")
+    if op is None:
+        raise ProtocolError("bad_request", "request has no 'op'", request_id)
+    if op not in OPS:
+        raise ProtocolError(
+            "unknown_op", f"unknown op {op!r:.64}; known: {', '.join(OPS)}", request_id
+        )
+    try:
+        return _request_adapter.validate_python(obj)
+    except ValidationError as exc:
+        raise ProtocolError("bad_request", describe(exc), request_id) from None
+
+
+def describe(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False)[0]
+    loc = [str(part) for part in first["loc"][1:]]  # drop the union tag
+    where = ".".join(loc) or "request"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+    return f"{where}: {message}{more}"
+
+
+def ok_reply(request_id: Any, **fields: Any) -> bytes:
+    return msgpack.packb({"ok": True, "id": request_id, **fields}, use_bin_type=True)
+
+
+def error_reply(request_id: Any, code: str, message: str) -> bytes:
+    return msgpack.packb(
+        {"ok": False, "id": request_id, "error": {"code": code, "message": message}},
+        use_bin_type=True,
+    )

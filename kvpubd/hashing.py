@@ -1,0 +1,67 @@
+"""The block hash chain and its wire forms.
+
+``digest_i = sha256(digest_{i-1} or root_key || token ids of block i)``; token ids are hashed
+as little-endian uint32. The root key mixes the LoRA id and the cache salt, so equal prefixes
+under another adapter or salt never share blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from hashlib import sha256
+from typing import Literal
+
+import msgpack
+import numpy as np
+
+from kvpubd.wire import BlockHash
+
+HashFormat = Literal["u64", "i64", "bytes"]
+TOKEN_DTYPE = np.dtype("<u4")
+MAX_TOKEN_ID = (1 << 32) - 1
+
+
+def root_key(lora_id: int | None, cache_salt: str | None) -> bytes:
+    return sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
+
+
+def tokens_array(token_ids: list[int]) -> np.ndarray:
+    """Token ids as a uint32 array; raises ValueError for ids outside 0..2^32-1."""
+    arr = np.asarray(token_ids, dtype=np.int64) if token_ids else np.zeros(0, np.int64)
+    if arr.ndim != 1:
+        raise ValueError("token_ids must be a flat list of integers")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        raise ValueError(f"token ids must lie in 0..{MAX_TOKEN_ID}")
+    return arr.astype(TOKEN_DTYPE)
+
+
+def chain_digests(tokens: np.ndarray, block_size: int, root: bytes) -> list[bytes]:
+    """Digests of every full block of ``tokens`` (uint32), in prefix order."""
+    data = tokens.tobytes()
+    step = block_size * TOKEN_DTYPE.itemsize
+    digests = []
+    prev = root
+    for start in range(0, (len(tokens) // block_size) * step, step):
+        prev = sha256(prev + data[start : start + step]).digest()
+        digests.append(prev)
+    return digests
+
+
+def _u64(digest: bytes) -> int:
+    return int.from_bytes(digest[-8:], "big")
+
+
+def _i64(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _raw(digest: bytes) -> bytes:
+    return digest
+
+
+WIRE_HASHERS: dict[str, Callable[[bytes], BlockHash]] = {"u64": _u64, "i64": _i64, "bytes": _raw}
+
+
+def wire_hasher(hash_format: HashFormat) -> Callable[[bytes], BlockHash]:
+    """The function that turns a block digest into its published hash."""
+    return WIRE_HASHERS[hash_format]

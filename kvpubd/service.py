@@ -1,0 +1,411 @@
+"""The daemon: ``Service(settings).serve()`` runs startup, the main loop and shutdown.
+
+One asyncio loop owns all state. ZeroMQ sockets are served from loop readers (their FD is
+edge-triggered, so each reader drains until ZeroMQ reports nothing more to read), and every
+handler is synchronous: a reset's marker is handed to ZeroMQ before its reply is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvpubd import __version__
+from kvpubd.cache import CacheError, RankCache
+from kvpubd.config import Settings, rank_endpoint
+from kvpubd.control import (
+    Ping,
+    ProtocolError,
+    Release,
+    Request,
+    Reset,
+    Snapshot,
+    Stats,
+    Store,
+    error_reply,
+    ok_reply,
+    parse_request,
+)
+from kvpubd.hashing import tokens_array
+from kvpubd.publisher import Publisher
+from kvpubd.sink import EventSink
+from kvpubd.wire import event_to_wire
+
+log = logging.getLogger("kvpubd")
+
+# Control requests handled per reader wake-up before the loop gets a turn (drain ticks).
+CONTROL_BURST = 64
+
+
+class Rank:
+    """Everything one data-parallel rank owns: cache, sink and publisher."""
+
+    def __init__(self, rank: int, settings: Settings, context: zmq.Context) -> None:
+        events = settings.events
+        self.rank = rank
+        self.sink = EventSink(
+            block_size=settings.cache.block_size,
+            medium=settings.medium,
+            max_events_per_tick=events.max_events_per_tick,
+        )
+        self.cache = RankCache(settings.cache, self.sink, events.hash_format)
+        self.publisher = Publisher(
+            context,
+            endpoint=rank_endpoint(events.endpoint, rank),
+            replay_endpoint=rank_endpoint(events.replay_endpoint, rank)
+            if events.replay_endpoint
+            else "",
+            topic=events.topic,
+            wire_format=events.wire_format,
+            rank=rank,
+            buffer_steps=events.buffer_steps,
+            hwm=events.hwm,
+            replay_framing=events.replay_framing,
+            linger_ms=settings.service.linger_ms,
+        )
+        self.resets = 0
+
+    def flush(self) -> int | None:
+        """Publish everything captured as one batch; returns its seq, or None if nothing was."""
+        events = self.sink.drain()
+        if not events:
+            return None
+        return self.publisher.publish(events)
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.cache.pool
+        return {
+            "rank": self.rank,
+            "seq": self.publisher.last_seq,
+            "batches": self.publisher.batches,
+            "events_published": self.publisher.events,
+            "dropped_stores": self.sink.dropped_stores,
+            "resets": self.resets,
+            "replay_requests": self.publisher.replay_requests,
+            "blocks_total": pool.num_blocks,
+            "blocks_used": pool.used_count,
+            "blocks_free": pool.free_count,
+            "blocks_cached": len(self.cache.index),
+            "blocks_pinned": self.cache.pinned_blocks,
+            "blocks_published": len(self.sink.published),
+            "requests_open": len(self.cache.leases),
+            "endpoint": self.publisher.endpoint,
+            "replay_endpoint": self.publisher.replay_endpoint,
+        }
+
+
+class Service:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.epoch = secrets.randbits(62)
+        self.paused = False
+        self.ranks: list[Rank] = []
+        self.control_endpoint = ""
+        self._context: zmq.Context | None = None
+        self._control: zmq.Socket | None = None
+        self._exit = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._readers: list[int] = []
+        # Work a request leaves for after its reply: scrubs, and cleared indexes whose
+        # teardown (one deallocation per block) must not delay a reset marker.
+        self._after_reply: list[Callable[[], None]] = []
+        self._retired: list[object] = []
+        self._handlers: dict[type, Callable[[Any], dict[str, Any]]] = {
+            Ping: self._ping,
+            Stats: self._stats,
+            Store: self._store,
+            Release: self._release,
+            Reset: self._reset,
+            Snapshot: self._snapshot,
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_exit)
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+
+    def request_exit(self) -> None:
+        if not self._exit.is_set():
+            log.info("shutdown requested")
+        self._exit.set()
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._context = zmq.Context()
+        for rank in range(self.settings.cache.data_parallel_size):
+            self.ranks.append(Rank(rank, self.settings, self._context))
+        for rank in self.ranks:
+            # Seq 0 of every start tells subscribers to forget what an earlier run published.
+            rank.sink.cleared()
+            rank.flush()
+            log.info(
+                "rank %d: events on %s, replay on %s",
+                rank.rank,
+                rank.publisher.endpoint,
+                rank.publisher.replay_endpoint or "(off)",
+            )
+            if rank.publisher.replay is not None:
+                self._add_reader(loop, rank.publisher.replay, rank.publisher.handle_replay)
+        self._control = self._bind_control()
+        self._add_reader(loop, self._control, self._serve_control)
+        self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
+        log.info(
+            "ready: %d rank(s), %d blocks of %d bytes each, control on %s",
+            len(self.ranks),
+            self.settings.cache.num_blocks,
+            self.settings.cache.block_bytes,
+            self.control_endpoint,
+        )
+
+    async def main_loop(self) -> None:
+        await self._exit.wait()
+
+    async def shutdown(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._readers:
+            loop.remove_reader(fd)
+        self._readers = []
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._control is not None:  # stop taking requests first
+            self._control.close(linger=0)
+            self._control = None
+            self._unlink_control_socket()
+        for rank in self.ranks:
+            seq = rank.flush()
+            if seq is not None:
+                log.info("rank %d: published the last batch, seq %d", rank.rank, seq)
+        for rank in self.ranks:
+            rank.publisher.close()
+        if self._context is not None:
+            # Waits up to linger_ms for queued messages to reach subscribers.
+            self._context.term()
+            self._context = None
+        log.info("stopped")
+
+    def _add_reader(
+        self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, drain: Callable
+    ) -> None:
+        fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, drain)
+        self._readers.append(fd)
+        # Anything that arrived before the reader existed would not wake it.
+        loop.call_soon(drain)
+
+    async def _drain_loop(self) -> None:
+        interval = self.settings.events.tick_interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            if not self.paused:
+                for rank in self.ranks:
+                    rank.flush()
+
+    # -- control socket --------------------------------------------------------------------
+
+    def _bind_control(self) -> zmq.Socket:
+        assert self._context is not None
+        endpoint = self.settings.control.endpoint
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Hard cap well above the protocol limit: larger frames cost a disconnect, not memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.settings.control.max_message_bytes + 1024)
+        path = _ipc_path(endpoint)
+        if path is not None:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        old_umask = os.umask(0o077)  # the socket file is created owner-only
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.umask(old_umask)
+        if path is not None:
+            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+        self.control_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock
+
+    def _unlink_control_socket(self) -> None:
+        path = _ipc_path(self.control_endpoint)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def _serve_control(self) -> None:
+        sock = self._control
+        if sock is None:
+            return
+        for _ in range(CONTROL_BURST):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            reply = self.handle_frames(frames)
+            if reply is not None:
+                sock.send_multipart([frames[0], b"", reply], zmq.NOBLOCK)
+            self._run_after_reply()
+        asyncio.get_running_loop().call_soon(self._serve_control)
+
+    def handle_frames(self, frames: list[bytes]) -> bytes | None:
+        """Answer one ROUTER message ``[identity, b"", request]``; None for unusable framing."""
+        if len(frames) < 2 or frames[1] != b"":
+            log.debug("control: dropped a message without the empty delimiter")
+            return None
+        if len(frames) != 3:
+            return error_reply(
+                None, "bad_request", f"expected one request frame, got {len(frames) - 2}"
+            )
+        try:
+            request = parse_request(frames[2], self.settings.control.max_message_bytes)
+        except ProtocolError as exc:
+            return error_reply(exc.request_id, exc.code, exc.message)
+        return self.handle(request)
+
+    def handle(self, request: Request) -> bytes:
+        try:
+            if request.op == "pause" or request.op == "resume":
+                self.paused = request.op == "pause"
+                log.info("periodic drain %s", "paused" if self.paused else "resumed")
+                return ok_reply(request.id, paused=self.paused)
+            return ok_reply(request.id, **self._handlers[type(request)](request))
+        except CacheError as exc:
+            return error_reply(request.id, exc.code, exc.message)
+        except Exception as exc:  # a bug: answer it, keep serving
+            log.exception("control: %s failed", request.op)
+            return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _run_after_reply(self) -> None:
+        work, self._after_reply = self._after_reply, []
+        for step in work:
+            step()
+        self._retired.clear()
+
+    def _rank(self, rank: int) -> Rank:
+        if rank >= len(self.ranks):
+            raise CacheError(
+                "bad_request", f"rank: {rank} is not served (ranks: {len(self.ranks)})"
+            )
+        return self.ranks[rank]
+
+    # -- operations ------------------------------------------------------------------------
+
+    def _ping(self, request: Ping) -> dict[str, Any]:
+        return {
+            "version": __version__,
+            "epoch": self.epoch,
+            "ranks": len(self.ranks),
+            "endpoints": [
+                {
+                    "rank": r.rank,
+                    "events": r.publisher.endpoint,
+                    "replay": r.publisher.replay_endpoint,
+                }
+                for r in self.ranks
+            ],
+        }
+
+    def _stats(self, request: Stats) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "paused": self.paused,
+            "ranks": [r.stats() for r in self.ranks],
+        }
+
+    def _store(self, request: Store) -> dict[str, Any]:
+        rank = self._rank(request.rank)
+        limit = self.settings.control.max_tokens_per_request
+        if len(request.token_ids) > limit:
+            raise CacheError(
+                "too_large", f"token_ids: {len(request.token_ids)} tokens; the limit is {limit}"
+            )
+        if any(request.request_id in r.cache.leases for r in self.ranks):
+            raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
+        try:
+            tokens = tokens_array(request.token_ids)
+        except (ValueError, OverflowError) as exc:
+            raise CacheError("bad_request", f"token_ids: {exc}") from None
+        block_ids, cached = rank.cache.store(
+            request.request_id, tokens, request.lora_id, request.lora_name, request.cache_salt
+        )
+        return {"rank": rank.rank, "block_ids": block_ids, "num_cached_tokens": cached}
+
+    def _release(self, request: Release) -> dict[str, Any]:
+        for rank in self.ranks:
+            if request.request_id in rank.cache.leases:
+                return {"rank": rank.rank, "released": rank.cache.release(request.request_id)}
+        raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
+
+    def _reset(self, request: Reset) -> dict[str, Any]:
+        targets = self.ranks if request.rank is None else [self._rank(request.rank)]
+        if not request.force:
+            busy = [r for r in targets if r.cache.leases]
+            if busy:
+                open_requests = sum(len(r.cache.leases) for r in busy)
+                raise CacheError(
+                    "busy",
+                    f"{open_requests} open request(s) pin blocks on rank(s) "
+                    f"{', '.join(str(r.rank) for r in busy)}; release them or pass force",
+                )
+        started = time.perf_counter()
+        markers = []
+        for rank in targets:
+            old_index = rank.cache.reset()
+            rank.resets += 1
+            seq = rank.flush() if self.settings.events.flush_on_reset else None
+            markers.append({"rank": rank.rank, "seq": seq})
+            # Tearing down a large index and zeroing blocks wait until the reply is out.
+            self._after_reply.append(rank.cache.pool.scrub_pending)
+            self._retired.append(old_index)
+        log.info(
+            "reset rank(s) %s in %.0f us: markers %s",
+            ", ".join(str(r.rank) for r in targets),
+            (time.perf_counter() - started) * 1e6,
+            ", ".join(f"{m['rank']}:{m['seq']}" for m in markers),
+        )
+        return {"markers": markers}
+
+    def _snapshot(self, request: Snapshot) -> dict[str, Any]:
+        rank = self._rank(request.rank)
+        # Publish what is captured first, so the snapshot is exactly the state at its seq.
+        rank.flush()
+        wire_format = self.settings.events.wire_format
+        return {
+            "rank": rank.rank,
+            "seq": rank.publisher.last_seq,
+            "epoch": self.epoch,
+            "events": [event_to_wire(e, wire_format) for e in rank.cache.snapshot()],
+        }
+
+
+def _ipc_path(endpoint: str) -> Path | None:
+    return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
+
+
+def run(settings: Settings) -> None:
+    """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
+    service = Service(settings)
+    if settings.service.loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+            log.warning("uvloop is not installed; using the asyncio loop")
+        else:
+            uvloop.run(service.serve())
+            return
+    asyncio.run(service.serve())
