@@ -175,6 +175,15 @@ def subscribe(
             pass
 
 
+def _add_bench() -> None:
+    from kvpubd.bench import bench_app
+
+    app.add_typer(bench_app, name="bench")
+
+
+_add_bench()
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--version":
         print(__version__)

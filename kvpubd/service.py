@@ -99,6 +99,7 @@ class Rank:
             "blocks_pinned": self.cache.pinned_blocks,
             "blocks_published": len(self.sink.published),
             "requests_open": len(self.cache.leases),
+            "events_pending": self.sink.pending_count,
             "endpoint": self.publisher.endpoint,
             "replay_endpoint": self.publisher.replay_endpoint,
         }
@@ -365,13 +366,13 @@ class Service:
         started = time.perf_counter()
         markers = []
         for rank in targets:
-            old_index = rank.cache.reset()
+            retired = rank.cache.reset()
             rank.resets += 1
             seq = rank.flush() if self.settings.events.flush_on_reset else None
             markers.append({"rank": rank.rank, "seq": seq})
             # Tearing down a large index and zeroing blocks wait until the reply is out.
             self._after_reply.append(rank.cache.pool.scrub_pending)
-            self._retired.append(old_index)
+            self._retired.append(retired)
         log.info(
             "reset rank(s) %s in %.0f us: markers %s",
             ", ".join(str(r.rank) for r in targets),

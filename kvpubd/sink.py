@@ -22,8 +22,8 @@ class EventSink:
         self.dropped_stores = 0
 
     @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+    def pending_count(self) -> int:
+        return len(self._pending)
 
     def stored(
         self,
@@ -73,12 +73,14 @@ class EventSink:
         if hashes:
             self._pending.append(BlockRemoved(hashes, self.medium))
 
-    def cleared(self) -> None:
+    def cleared(self) -> dict[int, None]:
         """Append the reset marker after everything captured; it never counts against the cap.
-        Forget what was published, so a repopulated prefix is reported again."""
+        Forget what was published, so a repopulated prefix is reported again. Returns the old
+        record, whose deallocation (O(blocks)) the caller may defer past the reset reply."""
         self._pending.append(AllBlocksCleared())
-        self.published = {}
+        old, self.published = self.published, {}
         self._budget = self.max_events_per_tick
+        return old
 
     def drain(self) -> list[Event]:
         """Take the captured events as one batch and start a fresh tick budget."""

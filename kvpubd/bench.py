@@ -1,0 +1,210 @@
+"""``kvpubd bench``: measurements of a real daemon, the way its users will judge it."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import msgpack
+import numpy as np
+import typer
+import zmq
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from kvpubd.launcher import DaemonProcess
+
+bench_app = typer.Typer(
+    help="Measure a real daemon (started here, on loopback).", no_args_is_help=True
+)
+err = Console(stderr=True)
+
+# The smallest block the pool allows: the bench measures bookkeeping, not memory traffic.
+TINY_BLOCKS = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
+PROMPT_TOKENS = 8192
+
+
+def percentile(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples), q)) if samples else float("nan")
+
+
+def summary(samples_ns: list[int]) -> dict[str, Any]:
+    us = [s / 1000 for s in samples_ns]
+    return {
+        "n": len(us),
+        "p50_us": round(percentile(us, 50), 1),
+        "p99_us": round(percentile(us, 99), 1),
+        "max_us": round(max(us), 1) if us else None,
+    }
+
+
+class ResetProbe:
+    """A DEALER for requests and a SUB that watches for the marker, both in this process."""
+
+    def __init__(self, daemon: DaemonProcess) -> None:
+        self.ctx = zmq.Context()
+        self.control = self.ctx.socket(zmq.DEALER)
+        self.control.connect(daemon.control_endpoint)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.RCVHWM, 0)
+        self.sub.connect(daemon.events_endpoint)
+        self.client = daemon.client(timeout=60)
+        self._ids = 0
+
+    def close(self) -> None:
+        self.client.close()
+        self.control.close(linger=0)
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+    def send(self, op: str, **fields: Any) -> int:
+        self._ids += 1
+        self.control.send_multipart(
+            [b"", msgpack.packb({"op": op, "id": self._ids, **fields}, use_bin_type=True)]
+        )
+        return self._ids
+
+    def recv_reply(self) -> dict[str, Any]:
+        if not self.control.poll(60_000):
+            raise TimeoutError("the daemon did not answer within 60 s")
+        reply = msgpack.unpackb(self.control.recv_multipart()[-1], raw=False)
+        if not reply.get("ok"):
+            raise RuntimeError(f"daemon refused a bench request: {reply.get('error')}")
+        return reply
+
+    def wait_connected(self) -> None:
+        """The SUB is live once it receives the batch of a reset sent after connecting."""
+        while True:
+            self.client.reset(force=True)
+            if self.sub.poll(200):
+                while self.sub.poll(50):
+                    self.sub.recv_multipart()
+                return
+
+    def populate(self, blocks: int, round_no: int) -> None:
+        """Cache ``blocks`` full blocks (8k-token prompts, pipelined), then unpin them."""
+        per_prompt = PROMPT_TOKENS // 16
+        prompts = -(-blocks // per_prompt)
+        rng = np.random.default_rng(round_no)
+        sent = 0
+        for i in range(prompts):
+            size = min(per_prompt, blocks - i * per_prompt) * 16
+            tokens = rng.integers(0, 1 << 31, size=size).tolist()
+            self.send("store", request_id=f"bench-{i}", token_ids=tokens)
+            sent += 1
+        for _ in range(sent):
+            self.recv_reply()
+        for i in range(prompts):
+            self.send("release", request_id=f"bench-{i}")
+        for _ in range(sent):
+            self.recv_reply()
+        # Let the drain loop publish everything captured, and read it, so a reset's batch
+        # holds the marker alone.
+        while self.client.stats()["ranks"][0]["events_pending"]:
+            self.drain_sub(0.01)
+        self.drain_sub(0.05)
+
+    def drain_sub(self, quiet_s: float) -> None:
+        while self.sub.poll(int(quiet_s * 1000)):
+            self.sub.recv_multipart()
+
+    def time_reset(self) -> tuple[int, int]:
+        """(reset sent -> marker received, reset sent -> reply received), in ns."""
+        start = time.perf_counter_ns()
+        self.send("reset", force=True)
+        while True:
+            frames = self.sub.recv_multipart()
+            events = msgpack.unpackb(frames[2], raw=False)[1]
+            if any(_is_marker(e) for e in events):
+                marker = time.perf_counter_ns() - start
+                break
+        self.recv_reply()
+        return marker, time.perf_counter_ns() - start
+
+
+def _is_marker(event: Any) -> bool:
+    if isinstance(event, dict):
+        return event.get("type") == "AllBlocksCleared"
+    return bool(event) and event[0] == "AllBlocksCleared"
+
+
+def measure_resets(sizes: list[int], resets: int, flush: bool, progress: Progress) -> dict:
+    results: dict[str, Any] = {}
+    biggest = max(sizes + [1024])
+    overrides = {
+        "cache": {**TINY_BLOCKS, "num_blocks": biggest + 1024},
+        "events": {"flush_on_reset": flush, "buffer_steps": 1000},
+        "service": {"log_level": "warning"},
+    }
+    label = "immediate flush" if flush else "baseline (next tick)"
+    with DaemonProcess(overrides, transport="tcp") as daemon:
+        probe = ResetProbe(daemon)
+        try:
+            probe.wait_connected()
+            for size in sizes:
+                # Refilling a large cache before every reset is slow: fewer rounds there.
+                rounds = resets if size == 0 else max(10, min(resets, 2_000_000 // size))
+                task = progress.add_task(f"{label}: {size:>9,} blocks", total=rounds)
+                markers, replies = [], []
+                for round_no in range(rounds):
+                    if size:
+                        probe.populate(size, round_no)
+                    marker, reply = probe.time_reset()
+                    markers.append(marker)
+                    replies.append(reply)
+                    progress.advance(task)
+                results[str(size)] = {**summary(markers), "reply": summary(replies)}
+        finally:
+            probe.close()
+    return results
+
+
+@bench_app.command("reset")
+def bench_reset(
+    sizes: Annotated[
+        str, typer.Option(help="Cached blocks before each reset, comma-separated.")
+    ] = ("0,10000,100000,1000000"),
+    resets: Annotated[
+        int, typer.Option(help="Resets measured per size (fewer at large sizes).")
+    ] = 200,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """Reset sent -> AllBlocksCleared received by a subscriber, idle daemon, at each cache size;
+    beside it the same daemon with the immediate flush off (the marker waits for a tick)."""
+    size_list = [int(s) for s in sizes.split(",") if s.strip()]
+    with Progress(console=err, transient=True) as progress:
+        immediate = measure_resets(size_list, resets, True, progress)
+        baseline = measure_resets(size_list, resets, False, progress)
+    if as_json:
+        typer.echo(json.dumps({"sizes": immediate, "baseline": baseline}))
+        return
+    table = Table(title="reset -> marker received (loopback tcp, idle daemon)")
+    for column in (
+        "cached blocks",
+        "n",
+        "p50 us",
+        "p99 us",
+        "max us",
+        "reply p50 us",
+        "baseline p50 us",
+        "baseline p99 us",
+    ):
+        table.add_column(column, justify="right")
+    for size in size_list:
+        row, base = immediate[str(size)], baseline[str(size)]
+        table.add_row(
+            f"{size:,}",
+            str(row["n"]),
+            f"{row['p50_us']:.0f}",
+            f"{row['p99_us']:.0f}",
+            f"{row['max_us']:.0f}",
+            f"{row['reply']['p50_us']:.0f}",
+            f"{base['p50_us']:.0f}",
+            f"{base['p99_us']:.0f}",
+        )
+    Console().print(table)

@@ -1,0 +1,150 @@
+"""Start ``kvpubd serve`` as a child process with its own config and sockets (benchmarks,
+demos and tests use it; each daemon gets a private directory)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from kvpubd.client import ControlClient, ControlTimeout, Subscriber
+
+
+def free_tcp_ports(count: int) -> list[int]:
+    """Ports the OS reports free now (a later bind can still race; fine for local tools)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> None:
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+class DaemonProcess:
+    """A ``kvpubd serve`` child. ``transport`` "ipc" puts every socket in a private directory;
+    "tcp" uses free loopback ports. ``overrides`` maps section -> key -> value."""
+
+    def __init__(
+        self, overrides: dict[str, dict[str, Any]] | None = None, transport: str = "ipc"
+    ) -> None:
+        # ipc paths are limited to ~107 bytes: keep the directory short.
+        self.dir = Path(tempfile.mkdtemp(prefix="kvp", dir="/tmp"))
+        if transport == "tcp":
+            events, replay, control = free_tcp_ports(3)
+            self.events_endpoint = f"tcp://127.0.0.1:{events}"
+            self.replay_endpoint = f"tcp://127.0.0.1:{replay}"
+            self.control_endpoint = f"tcp://127.0.0.1:{control}"
+        else:
+            self.events_endpoint = f"ipc://{self.dir}/events"
+            self.replay_endpoint = f"ipc://{self.dir}/replay"
+            self.control_endpoint = f"ipc://{self.dir}/control"
+        sections: dict[str, dict[str, Any]] = {
+            "events": {"endpoint": self.events_endpoint, "replay_endpoint": self.replay_endpoint},
+            "control": {"endpoint": self.control_endpoint},
+            "cache": {},
+            "service": {},
+        }
+        for section, values in (overrides or {}).items():
+            sections.setdefault(section, {}).update(values)
+        self.settings = sections
+        self.config_path = self.dir / "kvpubd.toml"
+        write_config(self.config_path, sections)
+        self.log_path = self.dir / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.epoch: int | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def ranks(self) -> int:
+        return int(self.settings["cache"].get("data_parallel_size", 1))
+
+    def start(self, timeout: float = 20.0) -> DaemonProcess:
+        """Start the child and wait until it answers ping."""
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpubd", "serve", "--config", str(self.config_path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        deadline = time.monotonic() + timeout
+        with self.client(timeout=0.2) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    self.epoch = client.ping()["epoch"]
+                    return self
+                except ControlTimeout:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"daemon did not answer:\n{self.log()}") from None
+
+    def client(self, timeout: float = 5.0) -> ControlClient:
+        return ControlClient(self.control_endpoint, timeout=timeout)
+
+    def subscriber(self, **kwargs: Any) -> Subscriber:
+        kwargs.setdefault("ranks", self.ranks)
+        return Subscriber(self.events_endpoint, self.replay_endpoint, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        """Signal the child and wait; returns its exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"daemon ignored signal {sig}:\n{self.log()}") from None
+        if self._log is not None:
+            self._log.close()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.alive():
+                self.stop()
+        finally:
+            self.cleanup()
