@@ -133,7 +133,7 @@ def _is_marker(event: Any) -> bool:
 
 def measure_resets(sizes: list[int], resets: int, flush: bool, progress: Progress) -> dict:
     results: dict[str, Any] = {}
-    biggest = max(sizes + [1024])
+    biggest = max([*sizes, 1024])
     overrides = {
         "cache": {**TINY_BLOCKS, "num_blocks": biggest + 1024},
         "events": {"flush_on_reset": flush, "buffer_steps": 1000},
