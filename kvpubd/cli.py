@@ -59,7 +59,9 @@ def serve(
     ] = None,
 ) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
-    from kvpubd.service import run
+    import zmq
+
+    from kvpubd.service import StartupError, run
 
     try:
         settings = load_settings(config)
@@ -75,7 +77,7 @@ def serve(
     )
     try:
         run(settings)
-    except OSError as exc:  # zmq.ZMQError is one: e.g. an endpoint already in use
+    except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use
         raise _fail(f"cannot start: {exc}", code=1) from None
 
 

@@ -200,8 +200,9 @@ class Service:
         for rank in self.ranks:
             rank.publisher.close()
         if self._context is not None:
-            # Waits up to linger_ms for queued messages to reach subscribers.
-            self._context.term()
+            # Closes what a failed start-up left open, then waits up to each socket's linger
+            # (linger_ms for PUB) for queued messages to reach subscribers.
+            self._context.destroy()
             self._context = None
         log.info("stopped")
 
@@ -234,6 +235,9 @@ class Service:
         path = _ipc_path(endpoint)
         if path is not None:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Binding an ipc path silently takes it over from whoever holds it.
+            if path.exists() and _answers_ping(endpoint):
+                raise StartupError(f"control endpoint {endpoint} is in use by a running daemon")
         old_umask = os.umask(0o077)  # the socket file is created owner-only
         try:
             sock.bind(endpoint)
@@ -392,6 +396,21 @@ class Service:
             "epoch": self.epoch,
             "events": [event_to_wire(e, wire_format) for e in rank.cache.snapshot()],
         }
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start as configured."""
+
+
+def _answers_ping(endpoint: str) -> bool:
+    from kvpubd.client import ControlClient, ControlTimeout
+
+    with ControlClient(endpoint, timeout=0.5) as client:
+        try:
+            client.ping()
+        except ControlTimeout:
+            return False
+        return True
 
 
 def _ipc_path(endpoint: str) -> Path | None:
