@@ -1,0 +1,294 @@
+"""Configuration: TOML file, KVPUBD_* environment overrides, one-line errors, the shipped file."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvpubd.config import ConfigError, Settings, load_settings, rank_endpoint
+from tests.daemon import Daemon, write_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10 only
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = REPO / "config" / "kvpubd.toml"
+SECTIONS = ("events", "control", "cache", "service")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """No KVPUBD_* variable from the caller leaks in; the default control socket lives in
+    tmp_path, so a daemon that got as far as binding it would leave a trace there."""
+    for name in list(os.environ):
+        if name.startswith("KVPUBD_"):
+            monkeypatch.delenv(name)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    yield
+
+
+def serve(config: Path, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m kvpubd serve --config FILE`` with the current environment."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "kvpubd", "serve", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(os.environ),
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"kvpubd serve --config {config} did not exit: it accepted it"
+        ) from None
+
+
+def assert_config_error(result: subprocess.CompletedProcess[str], *names: str) -> str:
+    """Exit status 2 and exactly one line of output, naming each of ``names``."""
+    output = result.stdout + result.stderr
+    lines = output.splitlines()
+    assert result.returncode == 2, f"exit {result.returncode}: {output}"
+    assert len(lines) == 1, f"expected one line, got:\n{output}"
+    for name in names:
+        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
+    return lines[0]
+
+
+def assert_nothing_bound(tmp_path: Path) -> None:
+    """The daemon binds its ranks' sockets, then creates the control socket's directory under
+    $XDG_RUNTIME_DIR; neither may have happened."""
+    assert list((tmp_path / "runtime").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "runtime") == ["bad.toml"]
+
+
+def private_endpoints(tmp_path: Path) -> dict[str, str]:
+    return {
+        "endpoint": f"ipc://{tmp_path}/events",
+        "replay_endpoint": f"ipc://{tmp_path}/replay",
+    }
+
+
+BAD_FILES: dict[str, tuple[str, str]] = {
+    # case: (TOML text; "{ev}" / "{rp}" are private ipc endpoints), the key the error must name
+    "unknown-key": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\nbogus = 1\n',
+        "events.bogus",
+    ),
+    "unknown-section": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\n[bogus]\nx = 1\n',
+        "bogus",
+    ),
+    "wrong-type": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\n[cache]\nnum_blocks = "many"\n',
+        "cache.num_blocks",
+    ),
+    "bad-enum": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\nwire_format = "xml"\n',
+        "events.wire_format",
+    ),
+    "out-of-range": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\n[cache]\nblock_size = 0\n',
+        "cache.block_size",
+    ),
+    "bad-endpoint": (
+        '[events]\nendpoint = "localhost:5557"\nreplay_endpoint = "{rp}"\n',
+        "events.endpoint",
+    ),
+    "overlapping-ports": (
+        '[events]\nendpoint = "tcp://127.0.0.1:6000"\nreplay_endpoint = "tcp://127.0.0.1:6002"\n'
+        "[cache]\ndata_parallel_size = 4\n",
+        "events.replay_endpoint",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_file_exits_2_with_one_line_naming_the_key(tmp_path: Path, case: str) -> None:
+    """A config file with an unknown key, a wrong type, a bad enum or range, or overlapping
+    port ranges stops ``serve`` with status 2 and one line naming the dotted key, before any
+    socket is bound (the service section asks for debug logs: starting would print more)."""
+    text, key = BAD_FILES[case]
+    ev, rp = private_endpoints(tmp_path).values()
+    text = text.format(ev=ev, rp=rp) + '[service]\nlog_level = "debug"\n'
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    line = assert_config_error(serve(config), key)
+    assert re.search(rf"(^|\W){re.escape(key)}:", line), line
+    assert_nothing_bound(tmp_path)
+
+
+def test_missing_file_exits_2_naming_it(tmp_path: Path) -> None:
+    """A config path that does not exist: status 2, one line naming the path."""
+    missing = tmp_path / "bad.toml"
+    assert_config_error(serve(missing), str(missing))
+    assert list((tmp_path / "runtime").iterdir()) == []
+
+
+def test_invalid_toml_exits_2_naming_the_file(tmp_path: Path) -> None:
+    """A file that is not TOML: status 2, one line naming the file."""
+    config = tmp_path / "bad.toml"
+    config.write_text('[events\nendpoint = "tcp://*:5557"\n')
+    assert_config_error(serve(config), str(config))
+    assert_nothing_bound(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "key"),
+    [
+        ("KVPUBD_EVENTS__WIRE_FORMAT", "xml", "events.wire_format"),
+        ("KVPUBD_CACHE__NUM_BLOCKS", "many", "cache.num_blocks"),
+    ],
+)
+def test_bad_env_value_exits_2_naming_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, key: str
+) -> None:
+    """A bad KVPUBD_* value on top of a good file: status 2, one line naming the dotted key."""
+    config = tmp_path / "bad.toml"
+    write_config(config, {"events": private_endpoints(tmp_path), "service": {"log_level": "debug"}})
+    monkeypatch.setenv(variable, value)
+    assert_config_error(serve(config), key)
+    assert_nothing_bound(tmp_path)
+
+
+def test_load_settings_error_names_the_key(tmp_path: Path) -> None:
+    """load_settings raises ConfigError whose one-line message starts with the dotted key."""
+    config = tmp_path / "c.toml"
+    write_config(config, {"events": {"hash_format": "u128"}})
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    assert str(info.value).startswith("events.hash_format:")
+    assert "\n" not in str(info.value)
+
+
+# -- environment overrides -------------------------------------------------------------------
+
+
+def test_env_overrides_one_key_and_the_file_keeps_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVPUBD_EVENTS__TOPIC beats the file's topic; the file's other events keys (and other
+    sections) still apply; another env key overrides in another section."""
+    config = tmp_path / "c.toml"
+    write_config(
+        config,
+        {
+            "events": {"topic": "from-file", "wire_format": "array", "buffer_steps": 77},
+            "cache": {"num_blocks": 99, "block_size": 8},
+        },
+    )
+    monkeypatch.setenv("KVPUBD_EVENTS__TOPIC", "kv@pod@model")
+    monkeypatch.setenv("KVPUBD_CACHE__BLOCK_SIZE", "32")
+    settings = load_settings(config)
+    assert settings.events.topic == "kv@pod@model"
+    assert settings.events.wire_format == "array"
+    assert settings.events.buffer_steps == 77
+    assert settings.cache.num_blocks == 99
+    assert settings.cache.block_size == 32
+    # Without the variables the file wins.
+    monkeypatch.delenv("KVPUBD_EVENTS__TOPIC")
+    monkeypatch.delenv("KVPUBD_CACHE__BLOCK_SIZE")
+    settings = load_settings(config)
+    assert (settings.events.topic, settings.cache.block_size) == ("from-file", 8)
+
+
+def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real ``serve``: KVPUBD_EVENTS__TOPIC sets the topic frame while the file's endpoints
+    in the same section are still the ones bound."""
+    monkeypatch.setenv("KVPUBD_EVENTS__TOPIC", "env-topic")
+    daemon = Daemon({"events": {"topic": "file-topic"}})
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            endpoints = client.ping()["endpoints"]
+        assert endpoints[0]["events"] == f"{daemon.events_endpoint}_dp0"
+        assert endpoints[0]["replay"] == f"{daemon.replay_endpoint}_dp0"
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoints[0]["replay"])
+            sock.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert sock.poll(10_000), "no replay reply"
+            frames = sock.recv_multipart()  # seq 0, the start-up marker
+        finally:
+            sock.close()
+        assert frames[1] == b"env-topic" and frames[2] == bytes(8)
+    finally:
+        daemon.cleanup()
+
+
+# -- the shipped file ------------------------------------------------------------------------
+
+
+def documented_keys(text: str) -> dict[str, set[str]]:
+    """Keys per section, active or commented out (``# key = value``), from the TOML text."""
+    keys: dict[str, set[str]] = {}
+    section = ""
+    for line in text.splitlines():
+        header = re.match(r"^\s*#?\s*\[([A-Za-z_]+)\]\s*(#.*)?$", line)
+        if header:
+            section = header.group(1)
+            keys.setdefault(section, set())
+            continue
+        key = re.match(r"^\s*#?\s*([a-z_]+)\s*=", line)
+        if key and section:
+            keys[section].add(key.group(1))
+    return keys
+
+
+def test_shipped_config_equals_the_defaults() -> None:
+    """config/kvpubd.toml loads and equals Settings() key for key (control.endpoint, computed
+    from the runtime directory, aside)."""
+    assert SHIPPED.exists(), f"{SHIPPED} is missing"
+    shipped = load_settings(SHIPPED).model_dump()
+    defaults = Settings().model_dump()
+    shipped["control"].pop("endpoint")
+    defaults["control"].pop("endpoint")
+    assert shipped == defaults
+
+
+def test_shipped_config_documents_every_field() -> None:
+    """Every field of every section appears in config/kvpubd.toml (keys without a TOML value,
+    like an unset medium, as a commented-out line), and it holds no key the models lack."""
+    text = SHIPPED.read_text()
+    active: dict[str, Any] = tomllib.loads(text)
+    documented = documented_keys(text)
+    assert set(active) <= set(Settings.model_fields)
+    for section, field in Settings.model_fields.items():
+        model = field.annotation
+        assert model is not None
+        names = set(model.model_fields)  # type: ignore[union-attr]
+        assert set(active.get(section, {})) <= names, section
+        missing = names - documented.get(section, set())
+        assert not missing, f"[{section}] does not mention {sorted(missing)}"
+
+
+# -- per-rank endpoints --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("base", "rank", "expected"),
+    [
+        ("tcp://*:5557", 0, "tcp://*:5557"),
+        ("tcp://*:5557", 3, "tcp://*:5560"),
+        ("tcp://127.0.0.1:6000", 63, "tcp://127.0.0.1:6063"),
+        ("tcp://[::1]:5557", 1, "tcp://[::1]:5558"),
+        ("ipc:///tmp/kvpubd/events", 0, "ipc:///tmp/kvpubd/events_dp0"),
+        ("ipc:///tmp/kvpubd/events", 2, "ipc:///tmp/kvpubd/events_dp2"),
+        ("inproc://events", 1, "inproc://events_dp1"),
+    ],
+)
+def test_rank_endpoint(base: str, rank: int, expected: str) -> None:
+    """tcp endpoints use base_port + rank; ipc and inproc endpoints get the suffix _dp<rank>."""
+    assert rank_endpoint(base, rank) == expected

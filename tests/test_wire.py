@@ -1,0 +1,489 @@
+"""The wire format against a real daemon, checked by decoders that do not share its code.
+
+The decoders below are msgspec structs written from vLLM's own field lists: vLLM 0.33's tagged
+maps (``wire_format = "map"``) and vLLM 0.23's tagged arrays (``wire_format = "array"``). They
+are strict: a missing required field, an unknown key or a wrong type fails the decode.
+kvpubd.wire is deliberately not used for decoding anywhere in this file.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from hashlib import sha256
+from typing import Any
+
+import msgpack
+import msgspec
+import pytest
+import zmq
+
+from tests.conftest import DaemonFactory
+from tests.daemon import Daemon
+
+END_SEQ = b"\xff" * 8
+TIMEOUT = 10.0
+
+Hash = int | bytes
+
+
+# -- vLLM 0.33: tagged maps (omit_defaults; the first seven fields are required) -------------
+
+
+class MapEvent(
+    msgspec.Struct, tag_field="type", tag=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    pass
+
+
+class MapBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+    data_parallel_rank: int | None
+
+
+# -- vLLM 0.23: tagged arrays (tag first, then the fields in order) --------------------------
+
+
+class ArrayEvent(
+    msgspec.Struct, array_like=True, tag=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    pass
+
+
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
+    data_parallel_rank: int | None
+
+
+DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
+    "map": msgspec.msgpack.Decoder(MapBatch),
+    "array": msgspec.msgpack.Decoder(ArrayBatch),
+}
+STORED = (MapBlockStored, ArrayBlockStored)
+REMOVED = (MapBlockRemoved, ArrayBlockRemoved)
+CLEARED = (MapAllBlocksCleared, ArrayAllBlocksCleared)
+
+MAP_STORED_KEYS = {
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+}
+ARRAY_LENGTHS = {"BlockStored": 12, "BlockRemoved": 4, "AllBlocksCleared": 1}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def decode(wire_format: str, payload: bytes) -> MapBatch | ArrayBatch:
+    return DECODERS[wire_format].decode(payload)
+
+
+def replay_raw(endpoint: str, start: int) -> list[list[bytes]]:
+    """Every replayed message from ``start`` as ``[topic, seq, payload]``, end marker excluded."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out: list[list[bytes]] = []
+        while True:
+            assert sock.poll(int(TIMEOUT * 1000)), "replay did not end with its marker"
+            frames = sock.recv_multipart()
+            assert frames[0] == b"" and len(frames) == 4, frames
+            if frames[2] == END_SEQ:
+                assert frames[1] == b"" and frames[3] == b""
+                return out
+            out.append(frames[1:])
+    finally:
+        sock.close()
+
+
+def published(daemon: Daemon) -> list[bytes]:
+    """Publish everything captured (snapshot flushes first), then replay every payload from 0."""
+    with daemon.client() as client:
+        last = client.snapshot()["seq"]
+    messages = replay_raw(f"{daemon.replay_endpoint}_dp0", 0)
+    seqs = [int.from_bytes(m[1], "big") for m in messages]
+    assert seqs == list(range(last + 1))
+    return [m[2] for m in messages]
+
+
+def stored_events(wire_format: str, payloads: list[bytes]) -> list[Any]:
+    return [
+        event
+        for payload in payloads
+        for event in decode(wire_format, payload).events
+        if isinstance(event, STORED)
+    ]
+
+
+def expected_digests(
+    tokens: list[int], block_size: int, lora_id: int | None = None, cache_salt: str | None = None
+) -> list[bytes]:
+    """The documented chain, computed here: sha256(prev or root || block tokens as LE uint32)."""
+    prev = sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
+    out = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start : start + block_size]
+        prev = sha256(prev + struct.pack(f"<{block_size}I", *block)).digest()
+        out.append(prev)
+    return out
+
+
+def to_wire(digest: bytes, hash_format: str) -> Hash:
+    if hash_format == "u64":
+        return int.from_bytes(digest[-8:], "big")
+    if hash_format == "i64":
+        return int.from_bytes(digest[:8], "big", signed=True)
+    return digest
+
+
+# -- one workload, captured live and through replay ----------------------------------------
+
+
+@dataclass
+class Capture:
+    wire_format: str
+    topic: str
+    block_size: int
+    live: list[list[bytes]]  # every live message from the first one seen, raw frames
+    replayed: list[list[bytes]]  # replay from 0: [topic, seq, payload]
+    last_seq: int
+
+
+def run_workload(daemon: Daemon, wire_format: str, topic: str) -> Capture:
+    """Stores (with and without LoRA), evictions from an 8-block pool and resets, captured on a
+    raw SUB socket (all topics) and by a replay from 0 afterwards."""
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"{daemon.events_endpoint}_dp0")
+    live: list[list[bytes]] = []
+    try:
+        with daemon.client() as client:
+            # Until the subscription is in place nothing is delivered: publish markers until
+            # one arrives. Everything published after it reaches this socket.
+            deadline = time.monotonic() + TIMEOUT
+            while not live:
+                client.reset()
+                if sub.poll(50):
+                    live.append(sub.recv_multipart())
+                assert time.monotonic() < deadline, "SUB never received a live message"
+
+            prompt = list(range(1000, 1000 + 3 * 16 + 4))  # 3 full blocks + a partial tail
+            client.store("r1", prompt)
+            client.store("r2", prompt[:32] + list(range(5000, 5016)))  # shares 2 blocks
+            client.store("r3", prompt[:32], lora_id=3, lora_name="adapter-a")
+            for request in ("r1", "r2", "r3"):
+                client.release(request)
+            client.store("r4", list(range(9000, 9000 + 6 * 16)))  # evicts 4 of 6 cached
+            client.release("r4")
+            client.reset()
+            client.store("r5", prompt[:16], lora_id=7, lora_name="adapter-b", cache_salt="s")
+            client.reset(force=True)  # r5 still open
+            client.store("r6", prompt[:40])
+            last = client.snapshot()["seq"]
+
+        deadline = time.monotonic() + TIMEOUT
+        while int.from_bytes(live[-1][1], "big") < last:
+            if sub.poll(50):
+                live.append(sub.recv_multipart())
+            assert time.monotonic() < deadline, f"live stream stopped before seq {last}"
+    finally:
+        sub.close()
+    replayed = replay_raw(f"{daemon.replay_endpoint}_dp0", 0)
+    return Capture(wire_format, topic, 16, live, replayed, last)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("map", ""), ("array", "kv@pod@model")],
+    ids=["map-no-topic", "array-llmd-topic"],
+)
+def capture(request: pytest.FixtureRequest) -> Iterator[Capture]:
+    wire_format, topic = request.param
+    daemon = Daemon(
+        {
+            "events": {"wire_format": wire_format, "topic": topic},
+            "cache": {"num_blocks": 8},
+        }
+    )
+    try:
+        daemon.start()
+        yield run_workload(daemon, wire_format, topic)
+    finally:
+        daemon.cleanup()
+
+
+def all_payloads(capture: Capture) -> list[bytes]:
+    return [m[2] for m in capture.replayed]
+
+
+# -- the decoders themselves ---------------------------------------------------------------
+
+
+def test_decoders_are_strict() -> None:
+    """Guards this file's decoders: they reject a missing required key, an unknown key, the other
+    wire format and a short array, so a pass below means the daemon's bytes really fit."""
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
+    good = msgpack.packb([1.0, [stored], 0])
+    assert isinstance(decode("map", good).events[0], MapBlockStored)
+    for bad_event in (
+        {k: v for k, v in stored.items() if k != "lora_name"},
+        {**stored, "surprise": 1},
+        {**stored, "block_size": "2"},
+        ["BlockStored", [1], None, [1, 2], 2, None, "CPU", None],
+    ):
+        with pytest.raises(msgspec.ValidationError):
+            decode("map", msgpack.packb([1.0, [bad_event], 0]))
+    with pytest.raises(msgspec.ValidationError):
+        decode("array", good)
+    with pytest.raises(msgspec.ValidationError):
+        decode("array", msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 2, None]], 0]))
+
+
+# -- tests on the captured workload --------------------------------------------------------
+
+
+def test_live_messages_have_three_frames_topic_and_gap_free_seq(capture: Capture) -> None:
+    """Every live message is [topic, seq, payload]: the configured topic, an 8-byte big-endian
+    seq that runs from 0 without gaps (replay from 0, then live) and is never ff*8."""
+    topic = capture.topic.encode()
+    for frames in capture.live:
+        assert len(frames) == 3, f"live message has {len(frames)} frames"
+        assert frames[0] == topic
+        assert len(frames[1]) == 8 and frames[1] != END_SEQ
+    live_seqs = [int.from_bytes(f[1], "big") for f in capture.live]
+    assert live_seqs == list(range(live_seqs[0], capture.last_seq + 1))
+
+    replay_seqs = [int.from_bytes(m[1], "big") for m in capture.replayed]
+    assert replay_seqs == list(range(capture.last_seq + 1))
+    for message in capture.replayed:
+        assert message[0] == topic and message[1] != END_SEQ
+    by_seq = {int.from_bytes(m[1], "big"): m[2] for m in capture.replayed}
+    for frames in capture.live:
+        assert frames[2] == by_seq[int.from_bytes(frames[1], "big")], "replay != live payload"
+
+
+def test_strict_vllm_decoders_accept_everything(capture: Capture) -> None:
+    """Every payload the daemon sent decodes with vLLM's strict structs for its wire format, and
+    the workload really exercised stores (with LoRA), removals and resets."""
+    kinds: dict[type, int] = {}
+    lora_stores = []
+    for payload in all_payloads(capture):
+        batch = decode(capture.wire_format, payload)
+        assert batch.data_parallel_rank == 0
+        assert isinstance(msgpack.unpackb(payload)[0], float)
+        for event in batch.events:
+            kinds[type(event)] = kinds.get(type(event), 0) + 1
+            if isinstance(event, STORED) and event.lora_id is not None:
+                lora_stores.append((event.lora_id, event.lora_name))
+    names = {cls.__name__.removeprefix("Map").removeprefix("Array") for cls in kinds}
+    assert names == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    assert (3, "adapter-a") in lora_stores and (7, "adapter-b") in lora_stores
+
+
+def test_raw_events_carry_exactly_the_documented_fields(capture: Capture) -> None:
+    """Map mode: BlockStored has exactly the 8 required keys (nil where empty), BlockRemoved
+    type/block_hashes/medium, AllBlocksCleared only type. Array mode: 12/4/1 elements."""
+    seen = set()
+    for payload in all_payloads(capture):
+        raw = msgpack.unpackb(payload, strict_map_key=False)
+        assert isinstance(raw, list) and len(raw) == 3
+        for event in raw[1]:
+            if capture.wire_format == "map":
+                assert isinstance(event, dict)
+                kind = event["type"]
+                expected = {
+                    "BlockStored": MAP_STORED_KEYS,
+                    "BlockRemoved": {"type", "block_hashes", "medium"},
+                    "AllBlocksCleared": {"type"},
+                }[kind]
+                assert set(event) == expected, event
+            else:
+                assert isinstance(event, list)
+                kind = event[0]
+                assert len(event) == ARRAY_LENGTHS[kind], event
+            seen.add(kind)
+    assert seen == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+
+
+def test_token_ids_are_whole_blocks(capture: Capture) -> None:
+    """Every BlockStored carries exactly len(block_hashes) x block_size token ids."""
+    stores = stored_events(capture.wire_format, all_payloads(capture))
+    assert stores
+    for event in stores:
+        assert event.block_size == capture.block_size
+        assert event.block_hashes
+        assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+
+
+def test_medium_defaults_to_cpu(capture: Capture) -> None:
+    """The NumPy pool reports medium "CPU" on stores and removals."""
+    events = [e for p in all_payloads(capture) for e in decode(capture.wire_format, p).events]
+    media = {e.medium for e in events if isinstance(e, STORED + REMOVED)}
+    assert media == {"CPU"}
+
+
+# -- hashes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hash_format", ["u64", "i64", "bytes"])
+def test_block_hashes_follow_the_documented_chain(
+    start_daemon: DaemonFactory, hash_format: str
+) -> None:
+    """Published hashes equal sha256(prev or root(lora_id, cache_salt) || LE uint32 tokens) in
+    the configured form; a shared prefix's next store names the last matched block as parent;
+    lora_id and cache_salt change every hash; u64 >= 2^63 is msgpack uint64 (0xcf), i64
+    below -2^31 is int64 (0xd3), bytes is bin 8 (0xc4 0x20)."""
+    daemon = start_daemon(events={"hash_format": hash_format})
+    bs = 16
+    base = [(i * 2654435761) % (1 << 32) for i in range(4 * bs + 3)]  # large ids too
+    cases: list[tuple[str, list[int], dict[str, Any], int]] = [
+        # (request, tokens, store fields, blocks matched from an earlier case)
+        ("plain", base, {}, 0),
+        ("shared", base[: 2 * bs] + list(range(7, 7 + 2 * bs)), {}, 2),
+        ("lora", base, {"lora_id": 5, "lora_name": "adapter"}, 0),
+        ("salt", base, {"cache_salt": "tenant-1"}, 0),
+        ("lora+salt", base, {"lora_id": 5, "lora_name": "adapter", "cache_salt": "tenant-1"}, 0),
+    ]
+    with daemon.client() as client:
+        for request, tokens, fields, matched in cases:
+            reply = client.store(request, tokens, **fields)
+            assert reply["num_cached_tokens"] == matched * bs
+    stores = stored_events("map", published(daemon))
+    assert len(stores) == len(cases)
+
+    all_hashes: list[Hash] = []
+    for (request, tokens, fields, matched), event in zip(cases, stores, strict=True):
+        digests = expected_digests(tokens, bs, fields.get("lora_id"), fields.get("cache_salt"))
+        wire = [to_wire(d, hash_format) for d in digests]
+        assert event.block_hashes == wire[matched:], request
+        assert event.parent_block_hash == (wire[matched - 1] if matched else None), request
+        assert event.token_ids == tokens[matched * bs : len(digests) * bs], request
+        assert event.lora_id == fields.get("lora_id")
+        assert event.lora_name == fields.get("lora_name")
+        all_hashes.extend(event.block_hashes)
+    assert len(set(all_hashes)) == len(all_hashes), "lora_id / cache_salt must change hashes"
+
+    raw = b"".join(published(daemon))
+    if hash_format == "u64":
+        big = [h for h in all_hashes if isinstance(h, int) and h >= 1 << 63]
+        assert big, "the prompts should produce at least one hash >= 2^63"
+        for h in big:
+            assert b"\xcf" + h.to_bytes(8, "big") in raw
+        assert all(isinstance(h, int) and 0 <= h < 1 << 64 for h in all_hashes)
+    elif hash_format == "i64":
+        low = [h for h in all_hashes if isinstance(h, int) and h < -(1 << 31)]
+        assert low, "the prompts should produce at least one hash < -2^31"
+        for h in low:
+            assert b"\xd3" + h.to_bytes(8, "big", signed=True) in raw
+        assert all(isinstance(h, int) and -(1 << 63) <= h < 1 << 63 for h in all_hashes)
+    else:
+        for h in all_hashes:
+            assert isinstance(h, bytes) and len(h) == 32
+            assert b"\xc4\x20" + h in raw
+
+
+def test_partial_tail_blocks_are_never_published(start_daemon: DaemonFactory) -> None:
+    """Only full blocks are stored on the wire: a sub-block prompt publishes nothing, a prompt
+    with a tail publishes its full blocks, and the tail appears once a later prompt fills it."""
+    bs = 5
+    daemon = start_daemon(cache={"block_size": bs})
+    tokens = list(range(100, 100 + 3 * bs))
+    with daemon.client() as client:
+        client.store("tiny", tokens[:3])
+        client.store("tail", tokens[: 2 * bs + 2])
+        client.store("full", tokens)
+    stores = stored_events("map", published(daemon))
+    digests = expected_digests(tokens, bs)
+    hashes = [to_wire(d, "u64") for d in digests]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stores] == [
+        (hashes[:2], None, tokens[: 2 * bs]),
+        (hashes[2:], hashes[1], tokens[2 * bs :]),
+    ]
+    for event in stores:
+        assert event.block_size == bs
+        assert len(event.token_ids) == len(event.block_hashes) * bs
+
+
+def test_configured_medium_is_published(start_daemon: DaemonFactory) -> None:
+    """events.medium replaces the pool's medium on stores and removals."""
+    daemon = start_daemon(events={"medium": "cpu_tier"}, cache={"num_blocks": 2})
+    with daemon.client() as client:
+        client.store("a", list(range(32)))
+        client.release("a")
+        client.store("b", list(range(100, 132)))  # evicts both of a's blocks
+    events = [e for p in published(daemon) for e in decode("map", p).events]
+    stores = [e for e in events if isinstance(e, STORED)]
+    removals = [e for e in events if isinstance(e, REMOVED)]
+    assert len(stores) == 2 and len(removals) >= 1
+    assert {e.medium for e in stores + removals} == {"cpu_tier"}
