@@ -10,7 +10,7 @@ import numpy as np
 
 from kvpubd.config import CacheConfig
 from kvpubd.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
-from kvpubd.pool import BlockPool
+from kvpubd.pool import create_pool
 from kvpubd.radix import Node, RadixIndex
 from kvpubd.sink import EventSink
 from kvpubd.wire import BlockStored
@@ -36,9 +36,13 @@ class Lease:
 
 
 class RankCache:
-    def __init__(self, config: CacheConfig, sink: EventSink, hash_format: HashFormat) -> None:
+    def __init__(
+        self, config: CacheConfig, sink: EventSink, hash_format: HashFormat, rank: int = 0
+    ) -> None:
         self.block_size = config.block_size
-        self.pool = BlockPool(config.num_blocks, config.block_bytes, config.scrub_on_free)
+        self.pool = create_pool(
+            config.device, config.num_blocks, config.block_bytes, config.scrub_on_free, rank
+        )
         self.index = RadixIndex()
         # Token ids of each cached block, indexed by block id (kept for snapshots).
         self.tokens = np.zeros((config.num_blocks, config.block_size), dtype=TOKEN_DTYPE)

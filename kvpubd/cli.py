@@ -61,12 +61,16 @@ def serve(
     """Run the daemon until SIGTERM or SIGINT."""
     import zmq
 
+    from kvpubd.pool import check_device
     from kvpubd.service import StartupError, run
 
     try:
         settings = load_settings(config)
+        check_device(settings.cache.device)
     except ConfigError as exc:
         raise _fail(f"config error: {exc}", code=2) from None
+    except ValueError as exc:
+        raise _fail(f"config error: cache.device: {exc}", code=2) from None
     level = (log_level or settings.service.log_level).upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),

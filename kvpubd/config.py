@@ -97,7 +97,7 @@ class CacheConfig(_Section):
         if value == "cpu":
             return value
         if re.fullmatch(r"cuda:\d+", value):
-            raise ValueError(f"{value!r}: the CuPy GPU pool is not built yet; use 'cpu'")
+            return value
         raise ValueError(f"{value!r} is not a device; use 'cpu' or 'cuda:N'")
 
     @property

@@ -62,10 +62,33 @@ class Snapshot(_Request):
     rank: Rank = 0
 
 
+class PoolInfo(_Request):
+    op: Literal["pool_info"]
+    rank: Rank = 0
+
+
+class Checksum(_Request):
+    op: Literal["checksum"]
+    rank: Rank = 0
+    block_ids: list[Annotated[int, Field(ge=0)]]
+
+
 Request = Annotated[
-    Ping | Stats | Store | Release | Reset | Pause | Resume | Snapshot, Field(discriminator="op")
+    Ping | Stats | Store | Release | Reset | Pause | Resume | Snapshot | PoolInfo | Checksum,
+    Field(discriminator="op"),
 ]
-OPS = ("ping", "stats", "store", "release", "reset", "pause", "resume", "snapshot")
+OPS = (
+    "ping",
+    "stats",
+    "store",
+    "release",
+    "reset",
+    "pause",
+    "resume",
+    "snapshot",
+    "pool_info",
+    "checksum",
+)
 _request_adapter: TypeAdapter[Request] = TypeAdapter(Request)
 
 

@@ -1,8 +1,21 @@
-"""The KV block pool: one contiguous ``[num_blocks, block_bytes]`` array and its free list."""
+"""The KV block pool: one contiguous ``[num_blocks, block_bytes]`` array and its free list.
+
+``HostPool`` keeps the array in POSIX shared memory (NumPy), ``CudaPool`` in GPU memory (CuPy),
+so that the engine beside the daemon can map it (see ``info()``) and write KV data into the
+blocks it is handed. Freed blocks are zeroed (``scrub_on_free``) before they are handed out
+again.
+"""
 
 from __future__ import annotations
 
+import os
+import secrets
+from multiprocessing import shared_memory
+from typing import Any
+
 import numpy as np
+
+from kvpubd import kernels
 
 
 class PoolExhausted(Exception):
@@ -10,20 +23,22 @@ class PoolExhausted(Exception):
 
 
 class BlockPool:
-    """Host-memory pool (NumPy). Blocks below ``_watermark`` have been handed out at least once
-    since the last reset; the rest are free without being on the free list, which makes
-    ``free_all`` O(1)."""
+    """Allocation bookkeeping shared by both backends.
+
+    Blocks below ``_watermark`` have been handed out at least once since the last reset; the
+    rest are free without being on the free list, which makes ``free_all`` O(1)."""
+
+    medium = "CPU"
 
     def __init__(self, num_blocks: int, block_bytes: int, scrub_on_free: bool) -> None:
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.scrub_on_free = scrub_on_free
-        self.data = np.zeros((num_blocks, block_bytes), dtype=np.uint8)
         self._free: list[int] = []
         self._watermark = 0
         # Blocks freed but not yet zeroed; scrubbed before they can be handed out again.
         self._dirty: list[int] = []
-        self._dirty_below = 0  # every block below this watermark is dirty (after free_all)
+        self._dirty_below = 0  # every block below this is dirty (after free_all)
 
     @property
     def free_count(self) -> int:
@@ -37,6 +52,7 @@ class BlockPool:
         if count > self.free_count:
             raise PoolExhausted(f"need {count} blocks, {self.free_count} free")
         self.scrub_pending()
+        self._scrub_done()
         free = self._free
         take = min(count, len(free))
         ids = free[len(free) - take :]
@@ -55,20 +71,177 @@ class BlockPool:
     def free_all(self) -> None:
         """Every block free again, in O(1); the scrub is left for ``scrub_pending``."""
         if self.scrub_on_free:
-            self._dirty_below = max(self._dirty_below, self._watermark)
             # Every handed-out block lies below the watermark: the range scrub covers them all.
+            self._dirty_below = max(self._dirty_below, self._watermark)
             self._dirty = []
         self._free = []
         self._watermark = 0
 
     def scrub_pending(self) -> None:
-        """Zero every block freed since the last scrub."""
+        """Zero (or, on the GPU, enqueue zeroing of) every block freed since the last scrub."""
         if self._dirty_below:
-            self.data[: self._dirty_below] = 0
+            self._zero_range(self._dirty_below)
             self._dirty_below = 0
         if self._dirty:
-            self.data[np.asarray(self._dirty, dtype=np.int64)] = 0
+            self._zero_blocks(np.asarray(self._dirty, dtype=np.int64))
             self._dirty = []
 
+    def checksum(self, block_ids: list[int]) -> list[int]:
+        """Per-block 64-bit checksums (``kvpubd.kernels``), after any pending scrub."""
+        raise NotImplementedError
+
+    def info(self) -> dict[str, Any]:
+        """How another process maps this pool."""
+        raise NotImplementedError
+
     def close(self) -> None:
-        self.data = np.zeros((0, self.block_bytes), dtype=np.uint8)
+        raise NotImplementedError
+
+    def _zero_range(self, end: int) -> None:
+        raise NotImplementedError
+
+    def _zero_blocks(self, block_ids: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _scrub_done(self) -> None:
+        """Wait until enqueued scrubs have run (before blocks are handed out)."""
+
+
+class HostPool(BlockPool):
+    """NumPy pool in a POSIX shared memory segment, readable and writable by this user only
+    (``shm_open`` mode 0600); the segment is unlinked on ``close``."""
+
+    def __init__(self, num_blocks: int, block_bytes: int, scrub_on_free: bool, rank: int) -> None:
+        super().__init__(num_blocks, block_bytes, scrub_on_free)
+        name = f"kvpubd-{os.getpid()}-{rank}-{secrets.token_hex(4)}"
+        # A fresh segment reads as zeros; the resource tracker unlinks it if we are killed.
+        self._shm = shared_memory.SharedMemory(
+            name=name, create=True, size=num_blocks * block_bytes
+        )
+        self.data: np.ndarray | None = np.ndarray(
+            (num_blocks, block_bytes), dtype=np.uint8, buffer=self._shm.buf
+        )
+
+    def _array(self) -> np.ndarray:
+        if self.data is None:
+            raise RuntimeError("the pool is closed")
+        return self.data
+
+    def _zero_range(self, end: int) -> None:
+        self._array()[:end] = 0
+
+    def _zero_blocks(self, block_ids: np.ndarray) -> None:
+        kernels.numpy_scrub(self._array(), block_ids)
+
+    def checksum(self, block_ids: list[int]) -> list[int]:
+        self.scrub_pending()
+        return kernels.numpy_checksum(self._array(), block_ids).tolist()
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "kind": "shm",
+            "name": self._shm.name,
+            "shape": [self.num_blocks, self.block_bytes],
+            "dtype": "uint8",
+            "block_bytes": self.block_bytes,
+        }
+
+    def close(self) -> None:
+        if self.data is None:
+            return
+        self.data = None  # the buffer cannot close while an array views it
+        self._shm.close()
+        self._shm.unlink()
+
+
+class CudaPool(BlockPool):
+    """CuPy pool in one ``cudaMalloc`` allocation (so a CUDA IPC handle covers exactly it),
+    with its own stream: every scrub, copy and checksum is enqueued there."""
+
+    medium = "GPU"
+
+    def __init__(self, num_blocks: int, block_bytes: int, scrub_on_free: bool, device: int) -> None:
+        super().__init__(num_blocks, block_bytes, scrub_on_free)
+        cupy = kernels._import_cupy()
+        self.device = device
+        self._cupy = cupy
+        with cupy.cuda.Device(device):
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            self._memory = cupy.cuda.Memory(num_blocks * block_bytes)
+            pointer = cupy.cuda.MemoryPointer(self._memory, 0)
+            self.data = cupy.ndarray((num_blocks, block_bytes), dtype=cupy.uint8, memptr=pointer)
+            self.kernels = kernels.KernelSet.load(self.stream)
+            with self.stream:
+                self.data.fill(0)
+            self.stream.synchronize()
+        self._unsynced = False
+
+    def _zero_range(self, end: int) -> None:
+        with self._cupy.cuda.Device(self.device), self.stream:
+            self.data[:end].fill(0)
+        self._unsynced = True
+
+    def _zero_blocks(self, block_ids: np.ndarray) -> None:
+        with self._cupy.cuda.Device(self.device):
+            self.kernels.scrub(self.data, block_ids)
+        self._unsynced = True
+
+    def _scrub_done(self) -> None:
+        # The engine writes on its own stream: zeroing must be finished, not just enqueued,
+        # before a block id leaves the daemon.
+        if self._unsynced:
+            self.stream.synchronize()
+            self._unsynced = False
+
+    def checksum(self, block_ids: list[int]) -> list[int]:
+        self.scrub_pending()
+        with self._cupy.cuda.Device(self.device):
+            sums = self.kernels.checksum(self.data, block_ids)
+            result = sums.get(stream=self.stream)
+            self.stream.synchronize()
+        return result.tolist()
+
+    def info(self) -> dict[str, Any]:
+        handle = self._cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr)
+        return {
+            "kind": "cuda_ipc",
+            "handle": bytes(handle),
+            "device": self.device,
+            "offset": 0,
+            "shape": [self.num_blocks, self.block_bytes],
+            "dtype": "uint8",
+            "block_bytes": self.block_bytes,
+        }
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.data = None
+        self._memory = None
+
+
+def create_pool(
+    device: str, num_blocks: int, block_bytes: int, scrub_on_free: bool, rank: int
+) -> BlockPool:
+    """The pool for ``device`` ("cpu" or "cuda:N")."""
+    if device == "cpu":
+        return HostPool(num_blocks, block_bytes, scrub_on_free, rank)
+    return CudaPool(num_blocks, block_bytes, scrub_on_free, int(device.split(":", 1)[1]))
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError with one clear line when ``device`` cannot be used here."""
+    if device == "cpu":
+        return
+    index = int(device.split(":", 1)[1])
+    try:
+        cupy = kernels._import_cupy()
+    except kernels.KernelUnavailable:
+        raise ValueError(
+            f"{device!r} needs CuPy: pip install 'kvpubd[gpu]' (CUDA 12) or 'kvpubd[gpu-cuda13]'"
+        ) from None
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        raise ValueError(f"{device!r}: no usable CUDA driver or GPU ({exc})") from None
+    if index >= count:
+        raise ValueError(f"{device!r}: this machine has {count} CUDA device(s)")

@@ -24,7 +24,9 @@ from kvpubd import __version__
 from kvpubd.cache import CacheError, RankCache
 from kvpubd.config import Settings, rank_endpoint
 from kvpubd.control import (
+    Checksum,
     Ping,
+    PoolInfo,
     ProtocolError,
     Release,
     Request,
@@ -53,12 +55,7 @@ class Rank:
     def __init__(self, rank: int, settings: Settings, context: zmq.Context) -> None:
         events = settings.events
         self.rank = rank
-        self.sink = EventSink(
-            block_size=settings.cache.block_size,
-            medium=settings.medium,
-            max_events_per_tick=events.max_events_per_tick,
-        )
-        self.cache = RankCache(settings.cache, self.sink, events.hash_format)
+        # Sockets first: a failed bind leaves nothing but sockets, which the context closes.
         self.publisher = Publisher(
             context,
             endpoint=rank_endpoint(events.endpoint, rank),
@@ -73,6 +70,12 @@ class Rank:
             replay_framing=events.replay_framing,
             linger_ms=settings.service.linger_ms,
         )
+        self.sink = EventSink(
+            block_size=settings.cache.block_size,
+            medium=settings.medium,
+            max_events_per_tick=events.max_events_per_tick,
+        )
+        self.cache = RankCache(settings.cache, self.sink, events.hash_format, rank)
         self.resets = 0
 
     def flush(self) -> int | None:
@@ -128,6 +131,8 @@ class Service:
             Release: self._release,
             Reset: self._reset,
             Snapshot: self._snapshot,
+            PoolInfo: self._pool_info,
+            Checksum: self._checksum,
         }
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -199,6 +204,7 @@ class Service:
                 log.info("rank %d: published the last batch, seq %d", rank.rank, seq)
         for rank in self.ranks:
             rank.publisher.close()
+            rank.cache.pool.close()
         if self._context is not None:
             # Closes what a failed start-up left open, then waits up to each socket's linger
             # (linger_ms for PUB) for queued messages to reach subscribers.
@@ -396,6 +402,22 @@ class Service:
             "epoch": self.epoch,
             "events": [event_to_wire(e, wire_format) for e in rank.cache.snapshot()],
         }
+
+    def _pool_info(self, request: PoolInfo) -> dict[str, Any]:
+        rank = self._rank(request.rank)
+        return {"rank": rank.rank, **rank.cache.pool.info()}
+
+    def _checksum(self, request: Checksum) -> dict[str, Any]:
+        rank = self._rank(request.rank)
+        pool = rank.cache.pool
+        if len(request.block_ids) > pool.num_blocks:
+            raise CacheError("too_large", f"block_ids: at most {pool.num_blocks} ids")
+        bad = [b for b in request.block_ids if b >= pool.num_blocks]
+        if bad:
+            raise CacheError(
+                "bad_request", f"block_ids: {bad[0]} is not a block (pool has {pool.num_blocks})"
+            )
+        return {"rank": rank.rank, "checksums": pool.checksum(request.block_ids)}
 
 
 class StartupError(RuntimeError):
