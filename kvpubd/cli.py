@@ -152,10 +152,28 @@ def subscribe(
     count: Annotated[
         int | None, typer.Option(help="Exit after this many events [default: run forever].")
     ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for a replay to finish.")] = 5.0,
 ) -> None:
     """Print every published event, one per line; report gaps and repair them through replay."""
+    try:
+        _print_events(endpoint, replay_endpoint, ranks, topic, as_json, count, timeout)
+    except TimeoutError as exc:
+        raise _fail(f"{exc} (is the daemon running?)") from None
+
+
+def _print_events(
+    endpoint: str,
+    replay_endpoint: str,
+    ranks: int,
+    topic: str,
+    as_json: bool,
+    count: int | None,
+    timeout: float,
+) -> None:
     seen = 0
-    with Subscriber(endpoint, replay_endpoint or None, ranks=ranks, topic=topic) as subscriber:
+    with Subscriber(
+        endpoint, replay_endpoint or None, ranks=ranks, topic=topic, replay_timeout=timeout
+    ) as subscriber:
         gaps = 0
         try:
             for received in subscriber:

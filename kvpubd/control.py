@@ -105,9 +105,11 @@ class ProtocolError(Exception):
 def parse_request(frame: bytes, max_bytes: int) -> Request:
     """Decode and validate one request frame, or raise ProtocolError."""
     if len(frame) > max_bytes:
-        raise ProtocolError("too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}")
+        raise ProtocolError(
+            "too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}", peek_id(frame)
+        )
     try:
-        obj = msgpack.unpackb(frame, raw=False)
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as exc:
         raise ProtocolError("bad_request", f"request is not one msgpack object: {exc}") from None
     if not isinstance(obj, dict):
@@ -115,6 +117,8 @@ def parse_request(frame: bytes, max_bytes: int) -> Request:
             "bad_request", f"request must be a msgpack map, got {type(obj).__name__}"
         )
     request_id = obj.get("id")
+    if not all(isinstance(key, str) for key in obj):
+        raise ProtocolError("bad_request", "request keys must be strings", request_id)
     op = obj.get("op")
     if op is None:
         raise ProtocolError("bad_request", "request has no 'op'", request_id)
@@ -126,6 +130,20 @@ def parse_request(frame: bytes, max_bytes: int) -> Request:
         return _request_adapter.validate_python(obj)
     except ValidationError as exc:
         raise ProtocolError("bad_request", describe(exc), request_id) from None
+
+
+def peek_id(frame: bytes) -> Any:
+    """The "id" of a request map without decoding the rest (for refusing oversized ones)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(frame) + 1)
+    unpacker.feed(frame)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                return unpacker.unpack()
+            unpacker.skip()
+    except Exception:
+        pass
+    return None
 
 
 def describe(exc: ValidationError) -> str:

@@ -10,6 +10,7 @@ import logging
 import time
 from collections import deque
 from itertools import islice
+from pathlib import Path
 
 import zmq
 
@@ -121,3 +122,6 @@ class Publisher:
         if self.replay is not None:
             self.replay.close()
         self.pub.close()
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if endpoint.startswith("ipc://"):
+                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
