@@ -78,9 +78,10 @@ class Rank:
         self.cache = RankCache(settings.cache, self.sink, events.hash_format, rank)
         self.resets = 0
 
-    def flush(self) -> int | None:
-        """Publish everything captured as one batch; returns its seq, or None if nothing was."""
-        events = self.sink.drain()
+    def flush(self, new_tick: bool = False) -> int | None:
+        """Publish everything captured as one batch; returns its seq, or None if nothing was.
+        ``new_tick``: this is the periodic drain, which starts a fresh capture budget."""
+        events = self.sink.drain(new_tick)
         if not events:
             return None
         return self.publisher.publish(events)
@@ -227,7 +228,7 @@ class Service:
             await asyncio.sleep(interval)
             if not self.paused:
                 for rank in self.ranks:
-                    rank.flush()
+                    rank.flush(new_tick=True)
 
     # -- control socket --------------------------------------------------------------------
 

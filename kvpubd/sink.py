@@ -82,8 +82,10 @@ class EventSink:
         self._budget = self.max_events_per_tick
         return old
 
-    def drain(self) -> list[Event]:
-        """Take the captured events as one batch and start a fresh tick budget."""
+    def drain(self, new_tick: bool = False) -> list[Event]:
+        """Take the captured events as one batch; the periodic drain passes ``new_tick`` to
+        start a fresh budget (an out-of-tick flush, e.g. for a snapshot, must not)."""
         events, self._pending = self._pending, []
-        self._budget = self.max_events_per_tick
+        if new_tick:
+            self._budget = self.max_events_per_tick
         return events
