@@ -1,0 +1,1 @@
+../kvpubd/_kernels/block_ops.cu
