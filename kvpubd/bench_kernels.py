@@ -10,16 +10,12 @@ device-to-device ``cupy.copyto`` (bytes read + written). Bytes counted per opera
   which really moves twice that through a temporary;
 * checksum / sum: bytes read.
 
-Run as ``python -m kvpubd.bench_kernels`` (``--help``); ``--check`` runs a quick GPU-vs-NumPy
-comparison of every kernel instead, for machines without pytest.
+Run as ``kvpubd bench kernels`` (``--help``); ``--check`` runs a quick GPU-vs-NumPy comparison
+of every kernel instead, for machines without pytest.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -375,59 +371,3 @@ def self_check(seed: int = 0) -> list[str]:
                 if not np.array_equal(pool.get(stream=stream), host):
                     failures.append(f"scrub {tag}")
     return failures
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpubd.bench_kernels", description=__doc__)
-    parser.add_argument("--pool-gib", type=float, default=8.0)
-    parser.add_argument(
-        "--block-bytes", type=int, nargs="+", default=list(DEFAULT_BLOCK_BYTES), metavar="N"
-    )
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--bandwidth-gib", type=float, default=4.0)
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="TILE:UNROLL[:CS]",
-        help="also time a build with this tile size, unroll and (CS=1) streaming cache hints "
-        "(repeatable)",
-    )
-    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
-    parser.add_argument("--check", action="store_true", help="GPU-vs-NumPy checks only")
-    args = parser.parse_args(argv)
-
-    from rich.console import Console
-
-    # A pipe or a file gets a wide table rather than rich's 80-column default.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
-    if args.check:
-        t0 = time.perf_counter()
-        failures = self_check()
-        for f in failures:
-            console.print(f"[red]FAIL[/red] {f}")
-        console.print(
-            f"self-check: {'OK' if not failures else f'{len(failures)} failures'} "
-            f"({time.perf_counter() - t0:.1f} s)"
-        )
-        return 1 if failures else 0
-    variants = [[int(x) for x in v.split(":")] + [0] for v in args.variant]
-    result = run_kernel_bench(
-        args.pool_gib,
-        args.block_bytes,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        bandwidth_gib=args.bandwidth_gib,
-        variants=[(v[0], v[1], bool(v[2])) for v in variants],
-        log=lambda msg: console.print(f"[dim]{msg}[/dim]"),
-    )
-    console.print(format_table(result))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
-    return 0 if all(result["checks"].values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
