@@ -131,11 +131,13 @@ def _is_marker(event: Any) -> bool:
     return bool(event) and event[0] == "AllBlocksCleared"
 
 
-def measure_resets(sizes: list[int], resets: int, flush: bool, progress: Progress) -> dict:
+def measure_resets(
+    sizes: list[int], resets: int, flush: bool, progress: Progress, device: str = "cpu"
+) -> dict:
     results: dict[str, Any] = {}
     biggest = max([*sizes, 1024])
     overrides = {
-        "cache": {**TINY_BLOCKS, "num_blocks": biggest + 1024},
+        "cache": {**TINY_BLOCKS, "num_blocks": biggest + 1024, "device": device},
         "events": {"flush_on_reset": flush, "buffer_steps": 1000},
         "service": {"log_level": "warning"},
     }
@@ -173,13 +175,14 @@ def bench_reset(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
+    device: Annotated[str, typer.Option(help="Pool device of the daemon: cpu or cuda:N.")] = "cpu",
 ) -> None:
     """Reset sent -> AllBlocksCleared received by a subscriber, idle daemon, at each cache size;
     beside it the same daemon with the immediate flush off (the marker waits for a tick)."""
     size_list = [int(s) for s in sizes.split(",") if s.strip()]
     with Progress(console=err, transient=True) as progress:
-        immediate = measure_resets(size_list, resets, True, progress)
-        baseline = measure_resets(size_list, resets, False, progress)
+        immediate = measure_resets(size_list, resets, True, progress, device)
+        baseline = measure_resets(size_list, resets, False, progress, device)
     if as_json:
         typer.echo(json.dumps({"sizes": immediate, "baseline": baseline}))
         return
