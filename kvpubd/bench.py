@@ -105,7 +105,6 @@ class ResetProbe:
         # holds the marker alone.
         while self.client.stats()["ranks"][0]["events_pending"]:
             self.drain_sub(0.01)
-        self.drain_sub(0.05)
 
     def drain_sub(self, quiet_s: float) -> None:
         while self.sub.poll(int(quiet_s * 1000)):
@@ -132,7 +131,12 @@ def _is_marker(event: Any) -> bool:
 
 
 def measure_resets(
-    sizes: list[int], resets: int, flush: bool, progress: Progress, device: str = "cpu"
+    sizes: list[int],
+    resets: int,
+    flush: bool,
+    progress: Progress,
+    device: str = "cpu",
+    idle_ms: float = 20.0,
 ) -> dict:
     results: dict[str, Any] = {}
     biggest = max([*sizes, 1024])
@@ -154,6 +158,8 @@ def measure_resets(
                 for round_no in range(rounds):
                     if size:
                         probe.populate(size, round_no)
+                    # The daemon is idle when the reset comes: nothing for idle_ms.
+                    probe.drain_sub(idle_ms / 1000)
                     marker, reply = probe.time_reset()
                     markers.append(marker)
                     replies.append(reply)
@@ -176,13 +182,16 @@ def bench_reset(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
     device: Annotated[str, typer.Option(help="Pool device of the daemon: cpu or cuda:N.")] = "cpu",
+    idle_ms: Annotated[
+        float, typer.Option(help="Quiet time before each reset (the daemon is idle).")
+    ] = 20.0,
 ) -> None:
     """Reset sent -> AllBlocksCleared received by a subscriber, idle daemon, at each cache size;
     beside it the same daemon with the immediate flush off (the marker waits for a tick)."""
     size_list = [int(s) for s in sizes.split(",") if s.strip()]
     with Progress(console=err, transient=True) as progress:
-        immediate = measure_resets(size_list, resets, True, progress, device)
-        baseline = measure_resets(size_list, resets, False, progress, device)
+        immediate = measure_resets(size_list, resets, True, progress, device, idle_ms)
+        baseline = measure_resets(size_list, resets, False, progress, device, idle_ms)
     if as_json:
         typer.echo(json.dumps({"sizes": immediate, "baseline": baseline}))
         return

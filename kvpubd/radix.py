@@ -113,6 +113,10 @@ class RadixIndex:
                 self._evictable.move_to_end(parent, last=False)
         return node
 
+    def reapable(self) -> tuple[dict, ...]:
+        """The containers holding every node, for freeing piecemeal (kvpubd.reaper)."""
+        return (self._evictable, self._by_block, self._nodes)
+
     def clear(self) -> RadixIndex:
         """Empty the index in O(1); returns the old contents so the caller can drop them later."""
         old = RadixIndex()

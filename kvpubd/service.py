@@ -40,6 +40,7 @@ from kvpubd.control import (
 )
 from kvpubd.hashing import tokens_array
 from kvpubd.publisher import Publisher
+from kvpubd.reaper import Reaper
 from kvpubd.sink import EventSink
 from kvpubd.wire import event_to_wire
 
@@ -121,10 +122,10 @@ class Service:
         self._exit = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._readers: list[int] = []
-        # Work a request leaves for after its reply: scrubs, and cleared indexes whose
-        # teardown (one deallocation per block) must not delay a reset marker.
+        # Work a request leaves for after its reply (scrubs).
         self._after_reply: list[Callable[[], None]] = []
-        self._retired: list[object] = []
+        # Frees cleared indexes piecemeal: one deallocation per block must not delay a marker.
+        self._reaper = Reaper()
         self._handlers: dict[type, Callable[[Any], dict[str, Any]]] = {
             Ping: self._ping,
             Stats: self._stats,
@@ -175,6 +176,7 @@ class Service:
         self._control = self._bind_control()
         self._add_reader(loop, self._control, self._serve_control)
         self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
+        self._tasks.append(asyncio.create_task(self._reaper.run(), name="kvpubd-reaper"))
         log.info(
             "ready: %d rank(s), %d blocks of %d bytes each, control on %s",
             len(self.ranks),
@@ -306,7 +308,6 @@ class Service:
         work, self._after_reply = self._after_reply, []
         for step in work:
             step()
-        self._retired.clear()
 
     def _rank(self, rank: int) -> Rank:
         if rank >= len(self.ranks):
@@ -383,7 +384,7 @@ class Service:
             markers.append({"rank": rank.rank, "seq": seq})
             # Tearing down a large index and zeroing blocks wait until the reply is out.
             self._after_reply.append(rank.cache.pool.scrub_pending)
-            self._retired.append(retired)
+            self._reaper.retire(*retired)
         log.info(
             "reset rank(s) %s in %.0f us: markers %s",
             ", ".join(str(r.rank) for r in targets),
