@@ -38,10 +38,6 @@ class Reaper:
                 await asyncio.sleep(0)
             self._wakeup.clear()
 
-    def drain(self) -> None:
-        """Free everything now (shutdown)."""
-        self._queue.clear()
-
 
 def _free_some(container: Any) -> bool:
     """Free up to CHUNK items of ``container``; True once it is empty."""
