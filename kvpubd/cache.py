@@ -11,7 +11,7 @@ import numpy as np
 from kvpubd.config import CacheConfig
 from kvpubd.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
 from kvpubd.pool import create_pool
-from kvpubd.radix import Node, RadixIndex
+from kvpubd.radix import ROOT, RadixIndex
 from kvpubd.sink import EventSink
 from kvpubd.wire import BlockStored
 
@@ -31,7 +31,7 @@ class CacheError(Exception):
 class Lease:
     """The blocks an open request pins: its full blocks (cached) and its partial tail block."""
 
-    nodes: list[Node]
+    blocks: list[int]
     tail_block: int | None
 
 
@@ -43,7 +43,7 @@ class RankCache:
         self.pool = create_pool(
             config.device, config.num_blocks, config.block_bytes, config.scrub_on_free, rank
         )
-        self.index = RadixIndex()
+        self.index = RadixIndex(config.num_blocks)
         # Token ids of each cached block, indexed by block id (kept for snapshots).
         self.tokens = np.zeros((config.num_blocks, config.block_size), dtype=TOKEN_DTYPE)
         self.leases: dict[RequestId, Lease] = {}
@@ -67,12 +67,13 @@ class RankCache:
         if request_id in self.leases:
             raise CacheError("duplicate_request", f"request {request_id!r} is already open")
         size = self.block_size
+        index = self.index
         digests = chain_digests(tokens, size, root_key(lora_id, cache_salt))
-        matched = self.index.match(digests)
+        matched = index.match(digests)
         new_count = len(digests) - len(matched)
         has_tail = len(tokens) % size != 0
         needed = new_count + has_tail
-        reusable = self.index.unpinned - sum(1 for node in matched if node.refs == 0)
+        reusable = index.unpinned - sum(1 for block in matched if index.refs(block) == 0)
         available = self.pool.free_count + reusable
         if needed > available:
             raise CacheError(
@@ -81,51 +82,51 @@ class RankCache:
                 f"the other {self.pool.num_blocks - available} are pinned by open requests",
             )
 
-        index = self.index
         index.pin(matched)
         shortfall = needed - self.pool.free_count
         if shortfall > 0:
             self._evict(shortfall)
         block_ids = self.pool.allocate(needed)
         new_ids = block_ids[:new_count]
-        nodes = list(matched)
-        parent = matched[-1] if matched else None
-        for digest, block_id in zip(digests[len(matched) :], new_ids, strict=False):
-            parent = index.insert(digest, block_id, parent, lora_id, lora_name)
-            nodes.append(parent)
+        parent = matched[-1] if matched else ROOT
         if new_count:
+            new_digests = digests[len(matched) :]
+            index.insert_run(
+                new_digests, new_ids, parent, (lora_id, lora_name) if lora_id or lora_name else None
+            )
             first = len(matched) * size
             new_tokens = tokens[first : first + new_count * size]
             self.tokens[new_ids] = new_tokens.reshape(new_count, size)
-            root_parent = matched[-1] if matched else None
             wire_hash = self.wire_hash
             self.sink.stored(
-                root_parent.block_id if root_parent else None,
+                parent if parent != ROOT else None,
                 new_ids,
-                [wire_hash(node.digest) for node in nodes[len(matched) :]],
-                wire_hash(root_parent.digest) if root_parent else None,
+                [wire_hash(digest) for digest in new_digests],
+                wire_hash(index.digest[parent]) if parent != ROOT else None,
                 new_tokens,
                 lora_id,
                 lora_name,
             )
-        self.leases[request_id] = Lease(nodes, block_ids[new_count] if has_tail else None)
-        return [node.block_id for node in nodes] + block_ids[new_count:], len(matched) * size
+        self.leases[request_id] = Lease(
+            matched + new_ids, block_ids[new_count] if has_tail else None
+        )
+        return matched + block_ids, len(matched) * size
 
     def _evict(self, count: int) -> None:
-        evicted = [self.index.evict_one() for _ in range(count)]
-        wire_hash = self.wire_hash
-        self.sink.removed((node.block_id, wire_hash(node.digest)) for node in evicted)
-        self.pool.free([node.block_id for node in evicted])
+        evicted = self.index.evict(count)
+        digest, wire_hash = self.index.digest, self.wire_hash
+        self.sink.removed((block_id, wire_hash(digest[block_id])) for block_id in evicted)
+        self.pool.free(evicted)
 
     def release(self, request_id: RequestId) -> int:
         """Unpin an open request's blocks; returns how many it held."""
         lease = self.leases.pop(request_id, None)
         if lease is None:
             raise CacheError("unknown_request", f"request {request_id!r} is not open")
-        self.index.unpin(lease.nodes)
+        self.index.unpin(lease.blocks)
         if lease.tail_block is not None:
             self.pool.free([lease.tail_block])
-        return len(lease.nodes) + (lease.tail_block is not None)
+        return len(lease.blocks) + (lease.tail_block is not None)
 
     def reset(self) -> tuple[object, ...]:
         """Drop every block and request and capture the marker, in O(1). Returns the old
@@ -134,27 +135,27 @@ class RankCache:
         old_index = self.index.clear()
         self.pool.free_all()
         old_published = self.sink.cleared()
-        return old_leases, old_index, old_published
+        return (old_leases, *old_index, old_published)
 
     def snapshot(self) -> list[BlockStored]:
         """The published blocks as one-block stores, parents before children."""
         wire_hash = self.wire_hash
         size = self.block_size
         medium = self.sink.medium
+        index = self.index
         events = []
         for block_id in self.sink.published:
-            node = self.index.node_for_block(block_id)
-            assert node is not None, "published block missing from the index"
-            parent = node.parent
+            parent = index.parent[block_id]
+            lora_id, lora_name = index.lora[block_id] or (None, None)
             events.append(
                 BlockStored(
-                    [wire_hash(node.digest)],
-                    wire_hash(parent.digest) if parent is not None else None,
+                    [wire_hash(index.digest[block_id])],
+                    wire_hash(index.digest[parent]) if parent != ROOT else None,
                     self.tokens[block_id].tolist(),
                     size,
-                    node.lora_id,
+                    lora_id,
                     medium,
-                    node.lora_name,
+                    lora_name,
                 )
             )
         return events

@@ -1,8 +1,13 @@
 """A pure-Python radix index over the block hash chain.
 
-Each node is one full block, keyed by its chain digest (the digest encodes the whole prefix, so
-a dict lookup per block walks the tree). Only unpinned leaves are evictable, so every cached
-block's parent stays cached, and eviction runs tail-first in least-recently-used order.
+A block's chain digest encodes its whole prefix, so the tree is walked with one dict lookup per
+block. Nodes are pool block ids: per-block fields live in lists indexed by block id, sized to
+the pool once. That keeps inserts cheap (no object per block), keeps the cyclic garbage
+collector out of it (a dict of bytes -> int is not tracked), and makes clearing O(1): only the
+digest map and the eviction queue are replaced; stale list slots are overwritten on reuse.
+
+Only unpinned leaves are evictable, so every cached block's parent stays cached, and eviction
+runs tail-first in least-recently-used order.
 """
 
 from __future__ import annotations
@@ -10,118 +15,115 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-
-class Node:
-    __slots__ = ("block_id", "children", "digest", "lora_id", "lora_name", "parent", "refs")
-
-    def __init__(
-        self,
-        digest: bytes,
-        block_id: int,
-        parent: Node | None,
-        lora_id: int | None,
-        lora_name: str | None,
-    ) -> None:
-        self.digest = digest
-        self.block_id = block_id
-        self.parent = parent
-        self.lora_id = lora_id
-        self.lora_name = lora_name
-        self.children = 0
-        self.refs = 0
+ROOT = -1  # parent of a first block
 
 
 class RadixIndex:
-    def __init__(self) -> None:
-        self._nodes: dict[bytes, Node] = {}
-        self._by_block: dict[int, Node] = {}
+    def __init__(self, capacity: int) -> None:
+        self._block_of: dict[bytes, int] = {}
+        self.digest: list[bytes] = [b""] * capacity
+        self.parent: list[int] = [ROOT] * capacity
+        self.lora: list[tuple[int | None, str | None] | None] = [None] * capacity
+        self._children: list[int] = [0] * capacity
+        self._refs: list[int] = [0] * capacity
         # Unpinned leaves, oldest first.
-        self._evictable: OrderedDict[Node, None] = OrderedDict()
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self._unpinned = 0
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._block_of)
 
-    def __iter__(self) -> Iterator[Node]:
-        return iter(self._nodes.values())
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._block_of.values())
 
     @property
     def unpinned(self) -> int:
         """Cached blocks no request holds: all of them can be evicted, leaves first."""
         return self._unpinned
 
-    def node_for_block(self, block_id: int) -> Node | None:
-        return self._by_block.get(block_id)
+    def refs(self, block_id: int) -> int:
+        return self._refs[block_id]
 
-    def match(self, digests: list[bytes]) -> list[Node]:
-        """The cached nodes of the longest cached prefix of ``digests``."""
-        nodes = self._nodes
+    def match(self, digests: list[bytes]) -> list[int]:
+        """The cached blocks of the longest cached prefix of ``digests``."""
+        block_of = self._block_of
         matched = []
         for digest in digests:
-            node = nodes.get(digest)
-            if node is None:
+            block_id = block_of.get(digest)
+            if block_id is None:
                 break
-            matched.append(node)
+            matched.append(block_id)
         return matched
 
-    def pin(self, nodes: list[Node]) -> None:
+    def pin(self, block_ids: list[int]) -> None:
+        refs = self._refs
         evictable = self._evictable
-        for node in nodes:
-            if node.refs == 0:
+        for block_id in block_ids:
+            if refs[block_id] == 0:
                 self._unpinned -= 1
-                evictable.pop(node, None)
-            node.refs += 1
+                evictable.pop(block_id, None)
+            refs[block_id] += 1
 
-    def unpin(self, nodes: list[Node]) -> None:
+    def unpin(self, block_ids: list[int]) -> None:
         # Deepest first, so a released chain is evicted tail-first.
+        refs = self._refs
+        children = self._children
         evictable = self._evictable
-        for node in reversed(nodes):
-            node.refs -= 1
-            if node.refs == 0:
+        for block_id in reversed(block_ids):
+            refs[block_id] -= 1
+            if refs[block_id] == 0:
                 self._unpinned += 1
-                if node.children == 0:
-                    evictable[node] = None
+                if children[block_id] == 0:
+                    evictable[block_id] = None
 
-    def insert(
+    def insert_run(
         self,
-        digest: bytes,
-        block_id: int,
-        parent: Node | None,
-        lora_id: int | None,
-        lora_name: str | None,
-    ) -> Node:
-        """Add a block under ``parent`` (which the caller holds pinned); it starts pinned once."""
-        node = Node(digest, block_id, parent, lora_id, lora_name)
-        node.refs = 1
-        if parent is not None:
-            parent.children += 1
-        self._nodes[digest] = node
-        self._by_block[block_id] = node
-        return node
+        digests: list[bytes],
+        block_ids: list[int],
+        parent: int,
+        lora: tuple[int | None, str | None] | None,
+    ) -> None:
+        """Add a chain of blocks under ``parent`` (ROOT or a block the caller holds pinned);
+        each starts pinned once."""
+        block_of = self._block_of
+        digest_of, parent_of, lora_of = self.digest, self.parent, self.lora
+        children, refs = self._children, self._refs
+        for digest, block_id in zip(digests, block_ids, strict=True):
+            block_of[digest] = block_id
+            digest_of[block_id] = digest
+            parent_of[block_id] = parent
+            lora_of[block_id] = lora
+            children[block_id] = 0
+            refs[block_id] = 1
+            if parent != ROOT:
+                children[parent] += 1
+            parent = block_id
 
-    def evict_one(self) -> Node:
-        """Remove the least-recently-used unpinned leaf; its parent may become the next."""
-        node, _ = self._evictable.popitem(last=False)
-        del self._nodes[node.digest]
-        del self._by_block[node.block_id]
-        self._unpinned -= 1
-        parent = node.parent
-        if parent is not None:
-            parent.children -= 1
-            if parent.children == 0 and parent.refs == 0:
-                self._evictable[parent] = None
-                self._evictable.move_to_end(parent, last=False)
-        return node
+    def evict(self, count: int) -> list[int]:
+        """Remove ``count`` least-recently-used unpinned leaves (a parent left childless becomes
+        the next); their ``digest`` slots stay readable until the block id is reused."""
+        evictable = self._evictable
+        block_of, digest_of, parent_of = self._block_of, self.digest, self.parent
+        children, refs = self._children, self._refs
+        evicted = []
+        for _ in range(count):
+            block_id, _ = evictable.popitem(last=False)
+            del block_of[digest_of[block_id]]
+            evicted.append(block_id)
+            parent = parent_of[block_id]
+            if parent != ROOT:
+                children[parent] -= 1
+                if children[parent] == 0 and refs[parent] == 0:
+                    evictable[parent] = None
+                    evictable.move_to_end(parent, last=False)
+        self._unpinned -= count
+        return evicted
 
-    def reapable(self) -> tuple[dict, ...]:
-        """The containers holding every node, for freeing piecemeal (kvpubd.reaper)."""
-        return (self._evictable, self._by_block, self._nodes)
-
-    def clear(self) -> RadixIndex:
-        """Empty the index in O(1); returns the old contents so the caller can drop them later."""
-        old = RadixIndex()
-        old._nodes, self._nodes = self._nodes, {}
-        old._by_block, self._by_block = self._by_block, {}
-        old._evictable, self._evictable = self._evictable, OrderedDict()
-        old._unpinned, self._unpinned = self._unpinned, 0
+    def clear(self) -> tuple[dict[bytes, int], OrderedDict[int, None]]:
+        """Empty the index in O(1); returns the old containers so that the caller can free
+        them later (one deallocation per block)."""
+        old = (self._block_of, self._evictable)
+        self._block_of = {}
+        self._evictable = OrderedDict()
+        self._unpinned = 0
         return old
