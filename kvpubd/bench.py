@@ -371,3 +371,125 @@ def bench_index(
         f"{result['bytes_per_block']:.0f}",
     )
     Console().print(table)
+
+
+def _publisher_batches(count: int, events_per_batch: int, seed: int = 0) -> list[list[Any]]:
+    """Realistic batches: 80 % BlockStored of 1-32 blocks of 16 tokens, 20 % BlockRemoved."""
+    from kvpubd.wire import BlockRemoved, BlockStored
+
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        events: list[Any] = []
+        for _ in range(events_per_batch):
+            if rng.random() < 0.8:
+                blocks = int(rng.integers(1, 33))
+                events.append(
+                    BlockStored(
+                        rng.integers(0, 2**63, size=blocks).tolist(),
+                        int(rng.integers(0, 2**63)),
+                        rng.integers(0, 150_000, size=16 * blocks).tolist(),
+                        16,
+                        None,
+                        "GPU",
+                        None,
+                    )
+                )
+            else:
+                events.append(BlockRemoved(rng.integers(0, 2**63, size=4).tolist(), "GPU"))
+        batches.append(events)
+    return batches
+
+
+def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[str, Any]:
+    """kvpubd.publisher.Publisher.publish(events) against the floor: msgpack-encoding the same
+    events (pre-converted to their wire form) and sending them on a bare PUB."""
+    import tempfile
+
+    import msgpack
+
+    from kvpubd.publisher import Publisher
+    from kvpubd.wire import event_to_wire, pack_seq
+
+    data = _publisher_batches(batches, events_per_batch)
+    wire = [[event_to_wire(e, "map") for e in batch] for batch in data]
+    total = batches * events_per_batch
+    ctx = zmq.Context()
+    with tempfile.TemporaryDirectory(prefix="kvpb") as tmp:
+        publisher = Publisher(ctx, endpoint=f"ipc://{tmp}/ours", hwm=0, buffer_steps=batches)
+        floor_pub = ctx.socket(zmq.PUB)
+        floor_pub.setsockopt(zmq.SNDHWM, 0)
+        floor_pub.bind(f"ipc://{tmp}/floor")
+        subs = []
+        for endpoint in (f"ipc://{tmp}/ours", f"ipc://{tmp}/floor"):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint)
+            subs.append(sub)
+        # Both PUBs deliver to a connected subscriber, drained between rounds.
+        while not subs[0].poll(10):
+            publisher.publish([])
+        while not subs[1].poll(10):
+            floor_pub.send_multipart([b"", pack_seq(0), msgpack.packb([0.0, [], 0])])
+
+        def drain() -> None:
+            for sub in subs:
+                while sub.poll(0):
+                    sub.recv_multipart()
+
+        packer = msgpack.Packer(use_bin_type=True)
+        ours, floor = [], []
+        for _ in range(rounds):
+            drain()
+            start = time.perf_counter()
+            for batch in data:
+                publisher.publish(batch)
+            ours.append(total / (time.perf_counter() - start))
+            drain()
+            start = time.perf_counter()
+            for seq, batch in enumerate(wire):
+                payload = packer.pack([time.time(), batch, 0])
+                floor_pub.send_multipart([b"", pack_seq(seq), payload])
+            floor.append(total / (time.perf_counter() - start))
+        drain()
+        publisher.close()
+        floor_pub.close(linger=0)
+        for sub in subs:
+            sub.close(linger=0)
+    ctx.term()
+    ours_median, floor_median = float(np.median(ours)), float(np.median(floor))
+    return {
+        "events_per_s": round(ours_median),
+        "floor_events_per_s": round(floor_median),
+        "ratio": round(ours_median / floor_median, 3),
+        "batches": batches,
+        "events_per_batch": events_per_batch,
+        "rounds": rounds,
+    }
+
+
+@bench_app.command("publisher")
+def bench_publisher(
+    batches: Annotated[int, typer.Option(help="Pre-built batches per round.")] = 2000,
+    events_per_batch: Annotated[int, typer.Option(help="Events per batch.")] = 20,
+    rounds: Annotated[int, typer.Option(help="Alternating rounds (median reported).")] = 7,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
+    loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB."""
+    result = measure_publisher(batches, events_per_batch, rounds)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    table = Table(
+        title=f"publisher: {batches} batches x {events_per_batch} events, median of {rounds}"
+    )
+    for column in ("kvpubd events/s", "floor events/s", "kvpubd / floor"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{result['events_per_s']:,}", f"{result['floor_events_per_s']:,}", f"{result['ratio']:.0%}"
+    )
+    Console().print(table)

@@ -79,7 +79,7 @@ class Publisher:
         seq_frame = pack_seq(seq)
         self._ring.append((seq_frame, payload))
         # PUB never blocks: at the HWM ZeroMQ drops for that subscriber, and replay repairs it.
-        self.pub.send_multipart((self.topic, seq_frame, payload), copy=False)
+        self.pub.send_multipart((self.topic, seq_frame, payload))
         self.batches += 1
         self.events += len(events)
         return seq
@@ -112,7 +112,7 @@ class Publisher:
         head = (identity, b"") if self.legacy_replay else (identity, b"", self.topic)
         try:
             for seq_frame, payload in islice(ring, skip, None):
-                sock.send_multipart((*head, seq_frame, payload), flags=zmq.NOBLOCK, copy=False)
+                sock.send_multipart((*head, seq_frame, payload), flags=zmq.NOBLOCK)
             end = (identity, b"") if self.legacy_replay else (identity, b"", b"")
             sock.send_multipart((*end, END_SEQ, b""), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or over its HWM: it asks again
