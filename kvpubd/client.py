@@ -96,7 +96,12 @@ class ControlClient:
     def stats(self) -> dict[str, Any]:
         return self.call("stats")
 
-    def store(self, request_id: str | int, token_ids: list[int], **fields: Any) -> dict[str, Any]:
+    def store(
+        self, request_id: str | int, token_ids: list[int] | np.ndarray, **fields: Any
+    ) -> dict[str, Any]:
+        """Store a prompt; a NumPy array travels as packed uint32 bytes (the fast form)."""
+        if isinstance(token_ids, np.ndarray):
+            token_ids = token_ids.astype("<u4").tobytes()
         return self.call("store", request_id=request_id, token_ids=token_ids, **fields)
 
     def release(self, request_id: str | int) -> dict[str, Any]:

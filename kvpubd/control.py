@@ -31,7 +31,8 @@ class Stats(_Request):
 class Store(_Request):
     op: Literal["store"]
     request_id: RequestId
-    token_ids: list[int]
+    # A list of ints, or bytes of packed little-endian uint32 (no per-token decoding).
+    token_ids: list[int] | bytes
     rank: Rank = 0
     lora_id: int | None = None
     lora_name: str | None = None

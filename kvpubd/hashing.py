@@ -25,8 +25,19 @@ def root_key(lora_id: int | None, cache_salt: str | None) -> bytes:
     return sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
 
 
-def tokens_array(token_ids: list[int]) -> np.ndarray:
-    """Token ids as a uint32 array; raises ValueError for ids outside 0..2^32-1."""
+def token_count(token_ids: list[int] | bytes) -> int:
+    return (
+        len(token_ids) // TOKEN_DTYPE.itemsize if isinstance(token_ids, bytes) else len(token_ids)
+    )
+
+
+def tokens_array(token_ids: list[int] | bytes) -> np.ndarray:
+    """Token ids as a uint32 array; raises ValueError for ids outside 0..2^32-1. ``bytes`` are
+    taken as packed little-endian uint32 (the fast form: no per-token decoding)."""
+    if isinstance(token_ids, bytes):
+        if len(token_ids) % TOKEN_DTYPE.itemsize:
+            raise ValueError("as bytes, token ids must be packed little-endian uint32")
+        return np.frombuffer(token_ids, dtype=TOKEN_DTYPE)
     arr = np.asarray(token_ids, dtype=np.int64) if token_ids else np.zeros(0, np.int64)
     if arr.ndim != 1:
         raise ValueError("token_ids must be a flat list of integers")

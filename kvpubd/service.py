@@ -38,7 +38,7 @@ from kvpubd.control import (
     ok_reply,
     parse_request,
 )
-from kvpubd.hashing import tokens_array
+from kvpubd.hashing import token_count, tokens_array
 from kvpubd.publisher import Publisher
 from kvpubd.reaper import Reaper
 from kvpubd.sink import EventSink
@@ -343,9 +343,10 @@ class Service:
     def _store(self, request: Store) -> dict[str, Any]:
         rank = self._rank(request.rank)
         limit = self.settings.control.max_tokens_per_request
-        if len(request.token_ids) > limit:
+        if token_count(request.token_ids) > limit:
             raise CacheError(
-                "too_large", f"token_ids: {len(request.token_ids)} tokens; the limit is {limit}"
+                "too_large",
+                f"token_ids: {token_count(request.token_ids)} tokens; the limit is {limit}",
             )
         if any(request.request_id in r.cache.leases for r in self.ranks):
             raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
