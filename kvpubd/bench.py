@@ -493,3 +493,145 @@ def bench_publisher(
         f"{result['events_per_s']:,}", f"{result['floor_events_per_s']:,}", f"{result['ratio']:.0%}"
     )
     Console().print(table)
+
+
+def make_prompts(count: int, seed: int = 0) -> list[bytes]:
+    """Realistic prompts as packed uint32: 1-8k tokens, most starting with one of a few shared
+    system prompts (256-2048 tokens), the rest unique."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, 150_000, size=int(n)) for n in rng.integers(256, 2049, size=8)]
+    prompts = []
+    for _ in range(count):
+        length = int(rng.integers(1024, 8193))
+        if rng.random() < 0.8:
+            prefix = prefixes[int(rng.integers(0, len(prefixes)))]
+            body = rng.integers(0, 150_000, size=max(0, length - len(prefix)))
+            tokens = np.concatenate([prefix, body])[:length]
+        else:
+            tokens = rng.integers(0, 150_000, size=length)
+        prompts.append(tokens.astype("<u4").tobytes())
+    return prompts
+
+
+def _count_stored(endpoint: str, ready: Any, results: Any) -> None:
+    """Subscriber process: decode every batch, count published blocks, check seqs."""
+    import msgpack
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    # Live once a batch arrives (the bench sends resets until then).
+    while not sub.poll(50):
+        pass
+    ready.send("live")
+    stop_seq: int | None = None
+    blocks = gaps = 0
+    last_seq: int | None = None
+    last_time = first_time = 0.0
+    while stop_seq is None or last_seq is None or last_seq < stop_seq:
+        if ready.poll(0):
+            stop_seq = ready.recv()
+        if not sub.poll(100):
+            continue
+        _, seq_frame, payload = sub.recv_multipart()
+        seq = int.from_bytes(seq_frame, "big")
+        if last_seq is not None and seq != last_seq + 1:
+            gaps += 1
+        last_seq = seq
+        for event in msgpack.unpackb(payload)[1]:
+            if event["type"] == "BlockStored":
+                if not blocks:
+                    first_time = time.monotonic()
+                blocks += len(event["block_hashes"])
+        last_time = time.monotonic()
+    results.send({"blocks": blocks, "gaps": gaps, "first": first_time, "last": last_time})
+    sub.close(linger=0)
+    ctx.term()
+
+
+def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str, Any]:
+    import multiprocessing
+
+    prompts = make_prompts(requests)
+    overrides = {
+        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
+        "events": {"buffer_steps": 1000},
+        "service": {"log_level": "warning"},
+    }
+    spawn = multiprocessing.get_context("spawn")
+    with DaemonProcess(overrides, transport="tcp") as daemon:
+        control_side, sub_side = spawn.Pipe()
+        results_in, results_out = spawn.Pipe(duplex=False)
+        counter = spawn.Process(
+            target=_count_stored, args=(daemon.events_endpoint, sub_side, results_out)
+        )
+        counter.start()
+        probe = ResetProbe(daemon)
+        try:
+            # Resets (no stores) until the counter's SUB has received one.
+            while not control_side.poll(0.1):
+                probe.client.reset(force=True)
+            control_side.recv()
+            start = time.monotonic()
+            in_flight = 0
+            sent = 0
+            while sent < len(prompts) or in_flight:
+                while sent < len(prompts) and in_flight < window:
+                    probe.send("store", request_id=sent, token_ids=prompts[sent])
+                    probe.send("release", request_id=sent)
+                    sent += 1
+                    in_flight += 2
+                probe.recv_reply()
+                in_flight -= 1
+            sent_all = time.monotonic()
+            stats = probe.client.stats()["ranks"][0]
+            while stats["events_pending"]:
+                stats = probe.client.stats()["ranks"][0]
+            control_side.send(stats["seq"])
+            counted = results_in.recv()
+        finally:
+            probe.close()
+            counter.join(10)
+    elapsed = counted["last"] - start
+    return {
+        "blocks_per_s": round(counted["blocks"] / elapsed),
+        "blocks": counted["blocks"],
+        "gaps": counted["gaps"],
+        "requests": requests,
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(requests / (sent_all - start)),
+        "dropped_stores": stats["dropped_stores"],
+    }
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    requests: Annotated[int, typer.Option(help="store requests (each followed by release).")] = (
+        2000
+    ),
+    window: Annotated[int, typer.Option(help="Requests in flight.")] = 32,
+    num_blocks: Annotated[int, typer.Option(help="Pool blocks (evictions when full).")] = 400_000,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
+    blocks decoded by a subscriber in another process, blocks/s, with the gaps it saw."""
+    result = measure_throughput(requests, window, num_blocks)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    table = Table(title=f"end-to-end: {requests} store requests, {window} in flight")
+    for column in ("blocks/s", "blocks", "gaps", "dropped", "requests/s", "seconds"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{result['blocks_per_s']:,}",
+        f"{result['blocks']:,}",
+        str(result["gaps"]),
+        str(result["dropped_stores"]),
+        f"{result['requests_per_s']:,}",
+        f"{result['seconds']:.2f}",
+    )
+    Console().print(table)

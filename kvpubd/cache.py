@@ -101,8 +101,8 @@ class RankCache:
             self.sink.stored(
                 parent if parent != ROOT else None,
                 new_ids,
-                [wire_hash(digest) for digest in new_digests],
-                wire_hash(index.digest[parent]) if parent != ROOT else None,
+                wire_hash(new_digests),
+                wire_hash([index.digest[parent]])[0] if parent != ROOT else None,
                 new_tokens,
                 lora_id,
                 lora_name,
@@ -114,8 +114,9 @@ class RankCache:
 
     def _evict(self, count: int) -> None:
         evicted = self.index.evict(count)
-        digest, wire_hash = self.index.digest, self.wire_hash
-        self.sink.removed((block_id, wire_hash(digest[block_id])) for block_id in evicted)
+        digest = self.index.digest
+        hashes = self.wire_hash([digest[block_id] for block_id in evicted])
+        self.sink.removed(zip(evicted, hashes, strict=True))
         self.pool.free(evicted)
 
     def release(self, request_id: RequestId) -> int:
@@ -139,18 +140,21 @@ class RankCache:
 
     def snapshot(self) -> list[BlockStored]:
         """The published blocks as one-block stores, parents before children."""
-        wire_hash = self.wire_hash
         size = self.block_size
         medium = self.sink.medium
         index = self.index
+        published = list(self.sink.published)
+        hashes = dict(
+            zip(published, self.wire_hash([index.digest[b] for b in published]), strict=True)
+        )
         events = []
-        for block_id in self.sink.published:
+        for block_id in published:
             parent = index.parent[block_id]
             lora_id, lora_name = index.lora[block_id] or (None, None)
             events.append(
                 BlockStored(
-                    [wire_hash(index.digest[block_id])],
-                    wire_hash(index.digest[parent]) if parent != ROOT else None,
+                    [hashes[block_id]],
+                    hashes[parent] if parent != ROOT else None,
                     self.tokens[block_id].tolist(),
                     size,
                     lora_id,

@@ -48,31 +48,40 @@ def tokens_array(token_ids: list[int] | bytes) -> np.ndarray:
 
 def chain_digests(tokens: np.ndarray, block_size: int, root: bytes) -> list[bytes]:
     """Digests of every full block of ``tokens`` (uint32), in prefix order."""
-    data = tokens.tobytes()
     step = block_size * TOKEN_DTYPE.itemsize
-    digests = []
+    end = (len(tokens) // block_size) * step
+    data = tokens.tobytes()
+    blocks = [data[start : start + step] for start in range(0, end, step)]
+    digests: list[bytes] = []
+    append, hash_ = digests.append, sha256  # locals: this loop runs once per block
     prev = root
-    for start in range(0, (len(tokens) // block_size) * step, step):
-        prev = sha256(prev + data[start : start + step]).digest()
-        digests.append(prev)
+    for block in blocks:
+        prev = hash_(prev + block).digest()
+        append(prev)
     return digests
 
 
-def _u64(digest: bytes) -> int:
-    return int.from_bytes(digest[-8:], "big")
+def _u64(digests: list[bytes]) -> list[BlockHash]:
+    # Low 64 bits read big-endian: the last of the four big-endian words of each digest.
+    return np.frombuffer(b"".join(digests), dtype=">u8")[3::4].tolist()
 
 
-def _i64(digest: bytes) -> int:
-    return int.from_bytes(digest[:8], "big", signed=True)
+def _i64(digests: list[bytes]) -> list[BlockHash]:
+    # First 8 bytes, signed.
+    return np.frombuffer(b"".join(digests), dtype=">i8")[0::4].tolist()
 
 
-def _raw(digest: bytes) -> bytes:
-    return digest
+def _raw(digests: list[bytes]) -> list[BlockHash]:
+    return list(digests)
 
 
-WIRE_HASHERS: dict[str, Callable[[bytes], BlockHash]] = {"u64": _u64, "i64": _i64, "bytes": _raw}
+WIRE_HASHERS: dict[str, Callable[[list[bytes]], list[BlockHash]]] = {
+    "u64": _u64,
+    "i64": _i64,
+    "bytes": _raw,
+}
 
 
-def wire_hasher(hash_format: HashFormat) -> Callable[[bytes], BlockHash]:
-    """The function that turns a block digest into its published hash."""
+def wire_hasher(hash_format: HashFormat) -> Callable[[list[bytes]], list[BlockHash]]:
+    """The function that turns block digests into their published hashes, all at once."""
     return WIRE_HASHERS[hash_format]

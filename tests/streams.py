@@ -39,7 +39,7 @@ def chain_hashes(
     """The published hashes of the full blocks of ``tokens``, computed independently."""
     wire = wire_hasher(hash_format)  # type: ignore[arg-type]
     digests = chain_digests(tokens_array(tokens), block_size, root_key(lora_id, cache_salt))
-    return [wire(digest) for digest in digests]
+    return wire(digests)
 
 
 def is_marker(event: Event) -> bool:

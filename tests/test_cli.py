@@ -61,7 +61,7 @@ def kvpubd_all(*argvs: list[str], timeout: float = 30.0) -> list[subprocess.Comp
 def expected_hashes(tokens: list[int]) -> list[int]:
     digests = chain_digests(tokens_array(tokens), BLOCK_SIZE, root_key(None, None))
     to_wire = wire_hasher("u64")
-    return [int(to_wire(d)) for d in digests]
+    return [int(h) for h in to_wire(digests)]
 
 
 def batches_until(daemon: Daemon, seq: int) -> list[Received]:

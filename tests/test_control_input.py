@@ -48,7 +48,7 @@ def expected_hashes(tokens: list[int]) -> list[int]:
     """The u64 block hashes the daemon must publish for ``tokens`` (no LoRA, no salt)."""
     digests = chain_digests(tokens_array(tokens), BLOCK_SIZE, root_key(None, None))
     to_wire = wire_hasher("u64")
-    return [int(to_wire(d)) for d in digests]
+    return [int(h) for h in to_wire(digests)]
 
 
 def check_error_reply(reply: Any, request_id: Any = None) -> dict[str, Any]:

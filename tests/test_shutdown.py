@@ -22,7 +22,7 @@ BLOCK_SIZE = 16
 def expected_hashes(tokens: list[int]) -> list[int]:
     digests = chain_digests(tokens_array(tokens), BLOCK_SIZE, root_key(None, None))
     to_wire = wire_hasher("u64")
-    return [int(to_wire(d)) for d in digests]
+    return [int(h) for h in to_wire(digests)]
 
 
 def control_path(daemon: Daemon) -> Path:
