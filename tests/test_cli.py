@@ -15,9 +15,9 @@ import pytest
 
 from kvpubd import __version__
 from kvpubd.client import Received
-from kvpubd.hashing import chain_digests, root_key, tokens_array, wire_hasher
 from kvpubd.wire import AllBlocksCleared, BlockStored, event_from_wire
 from tests.daemon import Daemon
+from tests.streams import chain_hashes
 
 BLOCK_SIZE = 16
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
@@ -56,12 +56,6 @@ def kvpubd_all(*argvs: list[str], timeout: float = 30.0) -> list[subprocess.Comp
                 proc.kill()
                 proc.communicate()
     return results
-
-
-def expected_hashes(tokens: list[int]) -> list[int]:
-    digests = chain_digests(tokens_array(tokens), BLOCK_SIZE, root_key(None, None))
-    to_wire = wire_hasher("u64")
-    return [int(h) for h in to_wire(digests)]
 
 
 def batches_until(daemon: Daemon, seq: int) -> list[Received]:
@@ -143,9 +137,7 @@ def test_reset_prints_marker_seq(daemon: Daemon) -> None:
     seen = batches_until(daemon, seq)
     events = [e for b in seen if b.seq <= seq for e in b.batch.events]
     assert isinstance(events[-1], AllBlocksCleared)
-    assert [e.block_hashes for e in events if isinstance(e, BlockStored)] == [
-        expected_hashes(tokens)
-    ]
+    assert [e.block_hashes for e in events if isinstance(e, BlockStored)] == [chain_hashes(tokens)]
     with daemon.client() as client:
         assert client.stats()["ranks"][0]["blocks_cached"] == 0
 
@@ -251,11 +243,11 @@ def test_subscribe_sees_live_stores(daemon: Daemon) -> None:
     printed = [h for line in lines for h in line["block_hashes"]]
     snapshot_hashes = [event_from_wire(e).block_hashes[0] for e in snapshot["events"]]
     assert sorted(printed) == sorted(snapshot_hashes)
-    chain = expected_hashes(prompts[1]) + expected_hashes(prompts[2])
+    chain = chain_hashes(prompts[1]) + chain_hashes(prompts[2])
     assert sorted(printed) == sorted(chain)
     # The second prompt's run extends the first prompt's blocks.
-    assert lines[1]["parent_block_hash"] == expected_hashes(prompts[0])[-1]
-    assert lines[1]["block_hashes"] == expected_hashes(prompts[1])[2:]
+    assert lines[1]["parent_block_hash"] == chain_hashes(prompts[0])[-1]
+    assert lines[1]["block_hashes"] == chain_hashes(prompts[1])[2:]
 
 
 def test_cli_without_daemon_fails_clearly(dead_endpoint: str) -> None:
@@ -327,6 +319,6 @@ def test_subscribe_json_bytes_hashes(bytes_daemon: Daemon) -> None:
     )
     assert result.returncode == 0, result.stderr
     stored = json_lines(result.stdout)[1]
-    digests = chain_digests(tokens_array(tokens), BLOCK_SIZE, root_key(None, None))
+    digests = chain_hashes(tokens, hash_format="bytes")
     assert stored["block_hashes"] == [d.hex() for d in digests]
     assert stored["parent_block_hash"] is None

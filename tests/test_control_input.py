@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import ControlClient, ControlError, Mirror, Subscriber
-from kvpubd.hashing import chain_digests, root_key, tokens_array, wire_hasher
 from kvpubd.wire import BlockStored, event_from_wire
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
+from tests.streams import chain_hashes
 
 MAX_MESSAGE_BYTES = 4096
 MAX_TOKENS = 64
@@ -42,13 +42,6 @@ def pack(obj: Any) -> bytes:
 
 def unpack(frame: bytes) -> Any:
     return msgpack.unpackb(frame, raw=False, strict_map_key=False)
-
-
-def expected_hashes(tokens: list[int]) -> list[int]:
-    """The u64 block hashes the daemon must publish for ``tokens`` (no LoRA, no salt)."""
-    digests = chain_digests(tokens_array(tokens), BLOCK_SIZE, root_key(None, None))
-    to_wire = wire_hasher("u64")
-    return [int(h) for h in to_wire(digests)]
 
 
 def check_error_reply(reply: Any, request_id: Any = None) -> dict[str, Any]:
@@ -151,7 +144,7 @@ class Probe:
         self.receive_until(lambda _: self.last_seq >= last, f"batch {last}")
         assert self.last_seq == last, "a batch was published that stats does not count"
         tokens = self.fresh_prompt()
-        hashes = expected_hashes(tokens)
+        hashes = chain_hashes(tokens)
         request_id = f"fence-store-{tokens[0]}"
         self.client.store(request_id, tokens)
         self.client.release(request_id)
@@ -587,7 +580,7 @@ def test_random_input_never_hurts_the_daemon(start_daemon: DaemonFactory) -> Non
         assert reply["num_cached_tokens"] == 0 and len(reply["block_ids"]) == 4
 
         def stored(batches: list[Any]) -> bool:
-            return expected_hashes(tokens)[-1] in probe.mirror.blocks
+            return chain_hashes(tokens)[-1] in probe.mirror.blocks
 
         probe.receive_until(stored, "the store after the fuzzing")
         probe.check_against_snapshot()

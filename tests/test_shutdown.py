@@ -12,17 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvpubd.client import Mirror, Received, Subscriber
-from kvpubd.hashing import chain_digests, root_key, tokens_array, wire_hasher
 from kvpubd.wire import BlockStored
 from tests.daemon import Daemon
+from tests.streams import chain_hashes
 
 BLOCK_SIZE = 16
-
-
-def expected_hashes(tokens: list[int]) -> list[int]:
-    digests = chain_digests(tokens_array(tokens), BLOCK_SIZE, root_key(None, None))
-    to_wire = wire_hasher("u64")
-    return [int(h) for h in to_wire(digests)]
 
 
 def control_path(daemon: Daemon) -> Path:
@@ -92,7 +86,7 @@ def test_stop_publishes_pending_events_and_exits_0(daemon: Daemon, sig: int) -> 
 
         assert daemon.stop(sig) == 0
 
-        wanted = [expected_hashes(tokens) for tokens in prompts]
+        wanted = [chain_hashes(tokens) for tokens in prompts]
         deadline = time.monotonic() + 10.0
         while not seen or seen[-1].seq < before["seq"] + 1:
             assert time.monotonic() < deadline, "the pending events never arrived"
