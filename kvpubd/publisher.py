@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -19,6 +20,14 @@ from kvpubd.wire import END_SEQ, MAX_SEQ, BatchEncoder, Event, WireFormat, pack_
 log = logging.getLogger(__name__)
 
 REPLAY_MAX_MESSAGE_BYTES = 256  # a replay request is 8 bytes; anything far larger is abuse
+REPLAY_CHUNK = 256  # batches one replay sends per turn of the loop
+ZERO_COPY_BYTES = 65536  # pyzmq's own threshold: below it a copy is cheaper than tracking
+
+
+@dataclass(slots=True)
+class _Replay:
+    identity: bytes
+    next_seq: int
 
 
 class Publisher:
@@ -35,6 +44,7 @@ class Publisher:
         hwm: int = 100_000,
         replay_framing: str = "v026",
         linger_ms: int = 2000,
+        max_replays: int = 64,
     ) -> None:
         self.rank = rank
         self.topic = topic.encode()
@@ -46,6 +56,9 @@ class Publisher:
         self.batches = 0
         self.events = 0
         self.replay_requests = 0
+        self.replays_refused = 0
+        self.max_replays = max_replays
+        self._replays: deque[_Replay] = deque()
 
         self.pub = context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
@@ -60,6 +73,8 @@ class Publisher:
             # A full replay plus its end marker always fits.
             self.replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_MESSAGE_BYTES)
+            # Errors instead of silent drops: a gone or stalled peer ends its replay early.
+            self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.bind(replay_endpoint)
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -84,39 +99,63 @@ class Publisher:
         self.events += len(events)
         return seq
 
-    def handle_replay(self) -> None:
-        """Answer every replay request waiting on the ROUTER, without blocking."""
+    def handle_replay(self, budget: int = 4 * REPLAY_CHUNK) -> bool:
+        """Take waiting replay requests and send up to ``budget`` batches of the replays in
+        progress, round-robin, without blocking. Returns True while replays remain: call it
+        again on a later loop turn (a long replay never holds the loop)."""
         sock = self.replay
         if sock is None:
-            return
+            return False
         while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._answer(sock, frames)
+            # Reading EVENTS after our own sends re-arms the socket's edge-triggered FD.
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._accept(sock.recv_multipart(zmq.NOBLOCK))
+            if not self._replays or budget <= 0:
+                return bool(self._replays)
+            replay = self._replays.popleft()
+            sent, done = self._stream(sock, replay, min(REPLAY_CHUNK, budget))
+            budget -= max(sent, 1)
+            if not done:
+                self._replays.append(replay)
 
-    def _answer(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+    def _accept(self, frames: list[bytes]) -> None:
         # [identity, b"", start_seq]: what a REQ sends (a DEALER sends [b"", start_seq]).
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             log.debug(
                 "rank %d: ignored malformed replay request (%d frames)", self.rank, len(frames)
             )
             return
+        if len(self._replays) >= self.max_replays:
+            # No reply: the client times out and asks again once the others are served.
+            self.replays_refused += 1
+            log.debug("rank %d: %d replays in progress, one refused", self.rank, self.max_replays)
+            return
         self.replay_requests += 1
-        identity = frames[0]
-        start = int.from_bytes(frames[2], "big")
+        self._replays.append(_Replay(frames[0], int.from_bytes(frames[2], "big")))
+
+    def _stream(self, sock: zmq.Socket, replay: _Replay, limit: int) -> tuple[int, bool]:
+        """Send up to ``limit`` retained batches from ``replay.next_seq``; the end marker once
+        it is past the last. Returns (batches sent, finished)."""
         ring = self._ring
         first = self._next_seq - len(ring)
-        skip = max(0, start - first)
-        head = (identity, b"") if self.legacy_replay else (identity, b"", self.topic)
+        skip = max(0, replay.next_seq - first)
+        head = (replay.identity, b"") if self.legacy_replay else (replay.identity, b"", self.topic)
+        sent = 0
         try:
-            for seq_frame, payload in islice(ring, skip, None):
-                sock.send_multipart((*head, seq_frame, payload), flags=zmq.NOBLOCK)
-            end = (identity, b"") if self.legacy_replay else (identity, b"", b"")
+            for seq_frame, payload in islice(ring, skip, skip + limit):
+                for frame in (*head, seq_frame):
+                    sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
+                # Large payloads go zero-copy: many replays then share the ring's bytes.
+                sock.send(payload, zmq.NOBLOCK, copy=len(payload) < ZERO_COPY_BYTES)
+                sent += 1
+            replay.next_seq = first + skip + sent
+            if replay.next_seq < self._next_seq:
+                return sent, False
+            end = head[:2] if self.legacy_replay else (*head[:2], b"")
             sock.send_multipart((*end, END_SEQ, b""), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or over its HWM: it asks again
+        except zmq.ZMQError as exc:  # peer gone or over its HWM: it sees no end marker, asks again
             log.debug("rank %d: replay to a peer stopped: %s", self.rank, exc)
+        return sent, True
 
     def close(self) -> None:
         if self.replay is not None:

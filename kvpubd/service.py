@@ -172,7 +172,7 @@ class Service:
                 rank.publisher.replay_endpoint or "(off)",
             )
             if rank.publisher.replay is not None:
-                self._add_reader(loop, rank.publisher.replay, rank.publisher.handle_replay)
+                self._add_reader(loop, rank.publisher.replay, _replay_pump(rank.publisher))
         self._control = self._bind_control()
         self._add_reader(loop, self._control, self._serve_control)
         self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
@@ -436,6 +436,18 @@ def _answers_ping(endpoint: str) -> bool:
         except ControlTimeout:
             return False
         return True
+
+
+def _replay_pump(publisher: Publisher) -> Callable[[], None]:
+    """Reader callback for a replay socket: serve replays a chunk at a time, coming back on a
+    later loop turn while any remain, so resets and ticks never wait behind a long replay."""
+    loop = asyncio.get_running_loop()
+
+    def pump() -> None:
+        if publisher.handle_replay():
+            loop.call_soon(pump)
+
+    return pump
 
 
 def _ipc_path(endpoint: str) -> Path | None:
