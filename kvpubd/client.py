@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import zmq
+import zmq.asyncio
 
 from kvpubd.config import default_control_endpoint, rank_endpoint
 from kvpubd.wire import (
@@ -40,20 +42,92 @@ class ControlTimeout(TimeoutError):
     """No reply within the timeout: the daemon is not running or not reachable there."""
 
 
-class ControlClient:
+def _encode_request(op: str, request_id: int, fields: dict[str, Any]) -> bytes:
+    return msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)
+
+
+def _checked(reply: dict[str, Any]) -> dict[str, Any]:
+    if not reply.get("ok"):
+        error = reply.get("error") or {}
+        raise ControlError(str(error.get("code")), str(error.get("message")))
+    return reply
+
+
+def _dealer(context: zmq.Context, endpoint: str, curve: tuple[Path, Path] | None) -> zmq.Socket:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        from kvpubd.auth import apply_curve_client
+
+        apply_curve_client(sock, *curve)
+    sock.connect(endpoint)
+    return sock
+
+
+class _Ops:
+    """The control ops, on top of a ``call`` that is a plain or an async function."""
+
+    def call(self, op: str, **fields: Any) -> Any:
+        raise NotImplementedError
+
+    def _call_for(self, key: str, op: str, **fields: Any) -> Any:
+        raise NotImplementedError
+
+    def ping(self) -> Any:
+        return self.call("ping")
+
+    def stats(self) -> Any:
+        return self.call("stats")
+
+    def store(self, request_id: str | int, token_ids: list[int] | np.ndarray, **fields: Any) -> Any:
+        """Store a prompt; a NumPy array travels as packed uint32 bytes (the fast form)."""
+        if isinstance(token_ids, np.ndarray):
+            token_ids = token_ids.astype("<u4").tobytes()
+        return self.call("store", request_id=request_id, token_ids=token_ids, **fields)
+
+    def release(self, request_id: str | int) -> Any:
+        return self.call("release", request_id=request_id)
+
+    def reset(self, rank: int | None = None, force: bool = False) -> Any:
+        """The markers: ``[{"rank": r, "seq": s}, ...]``."""
+        fields: dict[str, Any] = {"force": force}
+        if rank is not None:
+            fields["rank"] = rank
+        return self._call_for("markers", "reset", **fields)
+
+    def pause(self) -> Any:
+        return self.call("pause")
+
+    def resume(self) -> Any:
+        return self.call("resume")
+
+    def snapshot(self, rank: int = 0) -> Any:
+        return self.call("snapshot", rank=rank)
+
+    def pool_info(self, rank: int = 0) -> Any:
+        return self.call("pool_info", rank=rank)
+
+    def checksum(self, block_ids: list[int], rank: int = 0) -> Any:
+        return self._call_for("checksums", "checksum", rank=rank, block_ids=block_ids)
+
+
+class ControlClient(_Ops):
     """Synchronous control client over a DEALER socket. Replies are matched by id, so a late
-    reply to a timed-out request never answers the next one."""
+    reply to a timed-out request never answers the next one. ``curve``: (this client's secret
+    certificate, the daemon's public certificate) for a daemon with CURVE on."""
 
     def __init__(
-        self, endpoint: str | None = None, timeout: float = 5.0, context: zmq.Context | None = None
+        self,
+        endpoint: str | None = None,
+        timeout: float = 5.0,
+        context: zmq.Context | None = None,
+        curve: tuple[Path, Path] | None = None,
     ) -> None:
         self.endpoint = endpoint or default_control_endpoint()
         self.timeout = timeout
         self._own_context = context is None
         self._context = context or zmq.Context()
-        self._sock = self._context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.endpoint)
+        self._sock = _dealer(self._context, self.endpoint, curve)
         self._ids = itertools.count(1)
 
     def __enter__(self) -> ControlClient:
@@ -80,53 +154,57 @@ class ControlClient:
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request; return the reply map, or raise ControlError / ControlTimeout."""
         request_id = next(self._ids)
-        self.send_raw([msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)])
+        self.send_raw([_encode_request(op, request_id, fields)])
         while True:
             reply = self.recv_raw()
             if reply.get("id") == request_id:
-                break
-        if not reply.get("ok"):
-            error = reply.get("error") or {}
-            raise ControlError(str(error.get("code")), str(error.get("message")))
-        return reply
+                return _checked(reply)
 
-    def ping(self) -> dict[str, Any]:
-        return self.call("ping")
+    def _call_for(self, key: str, op: str, **fields: Any) -> Any:
+        return self.call(op, **fields)[key]
 
-    def stats(self) -> dict[str, Any]:
-        return self.call("stats")
 
-    def store(
-        self, request_id: str | int, token_ids: list[int] | np.ndarray, **fields: Any
-    ) -> dict[str, Any]:
-        """Store a prompt; a NumPy array travels as packed uint32 bytes (the fast form)."""
-        if isinstance(token_ids, np.ndarray):
-            token_ids = token_ids.astype("<u4").tobytes()
-        return self.call("store", request_id=request_id, token_ids=token_ids, **fields)
+class AsyncControlClient(_Ops):
+    """The asyncio form of ControlClient: ``await client.store(...)``."""
 
-    def release(self, request_id: str | int) -> dict[str, Any]:
-        return self.call("release", request_id=request_id)
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        timeout: float = 5.0,
+        context: zmq.asyncio.Context | None = None,
+        curve: tuple[Path, Path] | None = None,
+    ) -> None:
+        self.endpoint = endpoint or default_control_endpoint()
+        self.timeout = timeout
+        self._own_context = context is None
+        self._context = context or zmq.asyncio.Context()
+        self._sock = _dealer(self._context, self.endpoint, curve)
+        self._ids = itertools.count(1)
 
-    def reset(self, rank: int | None = None, force: bool = False) -> list[dict[str, int]]:
-        fields: dict[str, Any] = {"force": force}
-        if rank is not None:
-            fields["rank"] = rank
-        return self.call("reset", **fields)["markers"]
+    async def __aenter__(self) -> AsyncControlClient:
+        return self
 
-    def pause(self) -> dict[str, Any]:
-        return self.call("pause")
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
 
-    def resume(self) -> dict[str, Any]:
-        return self.call("resume")
+    def close(self) -> None:
+        self._sock.close()
+        if self._own_context:
+            self._context.term()
 
-    def snapshot(self, rank: int = 0) -> dict[str, Any]:
-        return self.call("snapshot", rank=rank)
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        request_id = next(self._ids)
+        await self._sock.send_multipart([b"", _encode_request(op, request_id, fields)])
+        while True:
+            if not await self._sock.poll(int(self.timeout * 1000)):
+                raise ControlTimeout(f"no reply from {self.endpoint}")
+            frames = await self._sock.recv_multipart()
+            reply = msgpack.unpackb(frames[-1], raw=False)
+            if reply.get("id") == request_id:
+                return _checked(reply)
 
-    def pool_info(self, rank: int = 0) -> dict[str, Any]:
-        return self.call("pool_info", rank=rank)
-
-    def checksum(self, block_ids: list[int], rank: int = 0) -> list[int]:
-        return self.call("checksum", rank=rank, block_ids=block_ids)["checksums"]
+    async def _call_for(self, key: str, op: str, **fields: Any) -> Any:
+        return (await self.call(op, **fields))[key]
 
 
 class MappedPool:
