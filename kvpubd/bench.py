@@ -355,7 +355,8 @@ def bench_index(
     ] = False,
 ) -> None:
     """Radix index ops/s (store/match/evict mix) and RSS bytes per cached block."""
-    result = measure_index(blocks, chain, rounds)
+    with err.status(f"building and exercising an index of {blocks:,} blocks"):
+        result = measure_index(blocks, chain, rounds)
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -480,7 +481,8 @@ def bench_publisher(
 ) -> None:
     """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
     loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB."""
-    result = measure_publisher(batches, events_per_batch, rounds)
+    with err.status(f"publishing {rounds} x {batches} batches, ours and the floor"):
+        result = measure_publisher(batches, events_per_batch, rounds)
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -619,7 +621,8 @@ def bench_throughput(
 ) -> None:
     """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
     blocks decoded by a subscriber in another process, blocks/s, with the gaps it saw."""
-    result = measure_throughput(requests, window, num_blocks)
+    with err.status(f"{requests} store requests through a daemon to a subscriber"):
+        result = measure_throughput(requests, window, num_blocks)
     if as_json:
         typer.echo(json.dumps(result))
         return
