@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,8 +12,9 @@ from typing import Annotated, Any
 import typer
 
 from kvpubd import __version__
-from kvpubd.client import ControlClient, ControlError, ControlTimeout, Subscriber
+from kvpubd.client import ControlClient, ControlError, ControlTimeout
 from kvpubd.config import ConfigError, default_control_endpoint, load_settings
+from kvpubd.subscriber import Subscriber, SubscriberError
 from kvpubd.wire import BlockRemoved, BlockStored, Event
 
 app = typer.Typer(
@@ -27,6 +29,8 @@ ControlOption = Annotated[
     typer.Option(
         "--control",
         "-c",
+        # The variable that sets the daemon's own endpoint (the systemd unit and the image set it).
+        envvar="KVPUBD_CONTROL__ENDPOINT",
         help="Control endpoint of the daemon [default: the daemon's default ipc socket].",
     ),
 ]
@@ -72,9 +76,11 @@ def serve(
     except ValueError as exc:
         raise _fail(f"config error: cache.device: {exc}", code=2) from None
     level = (log_level or settings.service.log_level).upper()
+    # Under systemd (JOURNAL_STREAM set) the journal stamps each line itself.
+    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"{stamp}%(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("kvpubd").info(
         "kvpubd %s: config %s", __version__, config if config else "(defaults)"
@@ -153,12 +159,24 @@ def subscribe(
         int | None, typer.Option(help="Exit after this many events [default: run forever].")
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for a replay to finish.")] = 5.0,
+    control: Annotated[
+        str | None,
+        typer.Option(
+            "--control",
+            "-c",
+            help="Control endpoint: checks the daemon's epoch on gaps and resynchronises from "
+            "its snapshot when replay no longer holds the missing history [default: off].",
+        ),
+    ] = None,
 ) -> None:
-    """Print every published event, one per line; report gaps and repair them through replay."""
+    """Print every published event, one per line; repair gaps through replay (or the snapshot,
+    with --control) and report gaps, resyncs, restarts and losses on stderr."""
     try:
-        _print_events(endpoint, replay_endpoint, ranks, topic, as_json, count, timeout)
+        _print_events(endpoint, replay_endpoint, ranks, topic, as_json, count, timeout, control)
     except TimeoutError as exc:
         raise _fail(f"{exc} (is the daemon running?)") from None
+    except (ControlError, SubscriberError) as exc:
+        raise _fail(str(exc)) from None
 
 
 def _print_events(
@@ -169,34 +187,118 @@ def _print_events(
     as_json: bool,
     count: int | None,
     timeout: float,
+    control: str | None = None,
 ) -> None:
+    def note(message: str) -> None:
+        typer.echo(f"# {message}", err=True)
+
+    repair = "replay" if replay_endpoint else "the snapshot"
     seen = 0
     with Subscriber(
-        endpoint, replay_endpoint or None, ranks=ranks, topic=topic, replay_timeout=timeout
+        endpoint,
+        replay_endpoint or None,
+        control=control,
+        ranks=ranks,
+        topic=topic,
+        replay_timeout=timeout,
+        control_timeout=timeout,
+        idle_check=1.0,  # finds a tail the PUB dropped while nothing else is published
+        mirror=False,  # printing needs no copy of the cache
+        on_gap=lambda rank, first, seq: note(
+            f"gap on rank {rank}: seqs {first}..{seq - 1} missing, repairing through {repair}"
+        ),
+        on_resync=lambda rank, seq: note(
+            f"rank {rank}: history gone; resynchronised from the snapshot at seq {seq}"
+        ),
+        on_restart=lambda rank, reason: note(
+            f"rank {rank}: daemon restart ({reason}); following the new run from seq 0"
+        ),
     ) as subscriber:
-        gaps = 0
+        lost = dict.fromkeys(subscriber.ranks, 0)
         try:
             for received in subscriber:
-                if subscriber.counters.gaps != gaps:
-                    gaps = subscriber.counters.gaps
-                    typer.echo(
-                        f"# gap on rank {received.rank}: repaired through replay "
-                        f"(gaps {gaps}, lost {subscriber.counters.lost})",
-                        err=True,
+                rank = received.rank
+                now_lost = subscriber.rank_counters(rank).lost
+                if now_lost != lost[rank]:
+                    note(
+                        f"rank {rank}: {now_lost - lost[rank]} batch(es) lost: replay no longer "
+                        "holds them (pass --control to resynchronise from the snapshot)"
                     )
+                    lost[rank] = now_lost
                 for event in received.batch.events:
                     if as_json:
-                        line = json.dumps(
-                            {"rank": received.rank, "seq": received.seq, **event_json(event)}
-                        )
+                        line = json.dumps({"rank": rank, "seq": received.seq, **event_json(event)})
                     else:
-                        line = f"rank={received.rank} seq={received.seq} {describe_event(event)}"
+                        line = f"rank={rank} seq={received.seq} {describe_event(event)}"
                     typer.echo(line)
                     seen += 1
                     if count is not None and seen >= count:
                         return
         except KeyboardInterrupt:
             pass
+
+
+@app.command()
+def demo(
+    duration: Annotated[float, typer.Option(help="Seconds the demo runs (at least 2).")] = 10.0,
+    rate: Annotated[float, typer.Option(help="Requests per second of the load.")] = 200.0,
+) -> None:
+    """Run a daemon, a load and a subscriber here on CPU, live, with a reset; then summarize."""
+    from kvpubd.demo import run_demo
+
+    if not 2 <= duration <= 3600:
+        raise _fail(f"--duration: {duration} is not between 2 and 3600 seconds", code=2)
+    if not 0 < rate <= 10_000:
+        raise _fail(f"--rate: {rate} is not between 0 and 10000 requests per second", code=2)
+    raise typer.Exit(run_demo(duration=duration, rate=rate))
+
+
+@app.command()
+def loadgen(
+    control: ControlOption = None,
+    rate: Annotated[float, typer.Option(help="Requests per second (Poisson arrivals).")] = 50.0,
+    duration: Annotated[float, typer.Option(help="Seconds to run.")] = 10.0,
+    prompt_mix: Annotated[
+        str, typer.Option(help="Weights of the prompt kinds chat, doc and unique.")
+    ] = "chat=5,doc=3,unique=2",
+    hold: Annotated[
+        float, typer.Option(help="Seconds each request stays open, pinning its blocks.")
+    ] = 0.1,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    timeout: TimeoutOption = 5.0,
+) -> None:
+    """Drive a running daemon with a shared-prefix workload: store, hold, release."""
+    from kvpubd.loadgen import LoadGenerator, Workload, parse_mix
+
+    try:
+        mix = parse_mix(prompt_mix)
+    except ValueError as exc:
+        raise _fail(f"--prompt-mix: {exc}", code=2) from None
+    for name, value, low in (("--rate", rate, 0.0), ("--duration", duration, 0.0)):
+        if not low < value < float("inf"):
+            raise _fail(f"{name}: {value} must be a positive number", code=2)
+    if not 0 <= hold < float("inf"):
+        raise _fail(f"--hold: {hold} must be >= 0", code=2)
+    with ControlClient(control or default_control_endpoint(), timeout=timeout) as client:
+        try:
+            generator = LoadGenerator(client, Workload(mix, seed), rate=rate, hold=hold, seed=seed)
+            try:
+                generator.run(duration)
+            except KeyboardInterrupt:
+                generator.release_all()
+        except ControlTimeout as exc:
+            raise _fail(f"{exc} (is the daemon running?)") from None
+    summary = generator.stats.as_dict()
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    errors = ", ".join(f"{code} {n}" for code, n in sorted(summary["errors"].items())) or "none"
+    typer.echo(
+        f"{summary['requests']} requests in {summary['elapsed_s']:.1f} s "
+        f"({summary['rate']:.1f}/s), prefix hit rate {summary['hit_rate']:.1%}, "
+        f"errors: {errors}"
+    )
 
 
 def _add_bench() -> None:

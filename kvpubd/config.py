@@ -114,6 +114,12 @@ class ServiceConfig(_Section):
     linger_ms: int = Field(2000, ge=0)
 
 
+class MetricsConfig(_Section):
+    # Prometheus endpoint http://host:port/metrics; port 0 turns it off.
+    port: int = Field(0, ge=0, le=65535)
+    host: str = Field("127.0.0.1", min_length=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVPUBD_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -123,6 +129,7 @@ class Settings(BaseSettings):
     control: ControlConfig = Field(default_factory=ControlConfig)
     cache: CacheConfig = CacheConfig()
     service: ServiceConfig = ServiceConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -144,6 +151,7 @@ class Settings(BaseSettings):
             ("events.endpoint", self.events.endpoint, ranks),
             ("events.replay_endpoint", self.events.replay_endpoint, ranks),
             ("control.endpoint", self.control.endpoint, 1),
+            ("metrics.port", f"tcp://*:{self.metrics.port}" if self.metrics.port else "", 1),
         ):
             port = tcp_port(endpoint) if endpoint else None
             if port is None:

@@ -16,7 +16,7 @@ import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -39,10 +39,14 @@ from kvpubd.control import (
     parse_request,
 )
 from kvpubd.hashing import token_count, tokens_array
+from kvpubd.notify import Notifier, watchdog_interval
 from kvpubd.publisher import Publisher
 from kvpubd.reaper import Reaper
 from kvpubd.sink import EventSink
 from kvpubd.wire import event_to_wire
+
+if TYPE_CHECKING:
+    from kvpubd.metrics import Metrics
 
 log = logging.getLogger("kvpubd")
 
@@ -53,9 +57,12 @@ CONTROL_BURST = 64
 class Rank:
     """Everything one data-parallel rank owns: cache, sink and publisher."""
 
-    def __init__(self, rank: int, settings: Settings, context: zmq.Context) -> None:
+    def __init__(
+        self, rank: int, settings: Settings, context: zmq.Context, metrics: Metrics | None = None
+    ) -> None:
         events = settings.events
         self.rank = rank
+        self.metrics = metrics
         # Sockets first: a failed bind leaves nothing but sockets, which the context closes.
         self.publisher = Publisher(
             context,
@@ -85,7 +92,10 @@ class Rank:
         events = self.sink.drain(new_tick)
         if not events:
             return None
-        return self.publisher.publish(events)
+        seq = self.publisher.publish(events)
+        if self.metrics is not None:
+            self.metrics.published(self.rank, events)
+        return seq
 
     def stats(self) -> dict[str, Any]:
         pool = self.cache.pool
@@ -126,6 +136,8 @@ class Service:
         self._after_reply: list[Callable[[], None]] = []
         # Frees cleared indexes piecemeal: one deallocation per block must not delay a marker.
         self._reaper = Reaper()
+        self.metrics = _create_metrics(self) if settings.metrics.port else None
+        self._notifier = Notifier.from_environment()
         self._handlers: dict[type, Callable[[Any], dict[str, Any]]] = {
             Ping: self._ping,
             Stats: self._stats,
@@ -160,7 +172,7 @@ class Service:
         loop = asyncio.get_running_loop()
         self._context = zmq.Context()
         for rank in range(self.settings.cache.data_parallel_size):
-            self.ranks.append(Rank(rank, self.settings, self._context))
+            self.ranks.append(Rank(rank, self.settings, self._context, self.metrics))
         for rank in self.ranks:
             # Seq 0 of every start tells subscribers to forget what an earlier run published.
             rank.sink.cleared()
@@ -175,6 +187,7 @@ class Service:
                 self._add_reader(loop, rank.publisher.replay, _replay_pump(rank.publisher))
         self._control = self._bind_control()
         self._add_reader(loop, self._control, self._serve_control)
+        await self._start_metrics()
         self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
         self._tasks.append(asyncio.create_task(self._reaper.run(), name="kvpubd-reaper"))
         log.info(
@@ -184,11 +197,13 @@ class Service:
             self.settings.cache.block_bytes,
             self.control_endpoint,
         )
+        self._notify_ready()
 
     async def main_loop(self) -> None:
         await self._exit.wait()
 
     async def shutdown(self) -> None:
+        self._notifier.stopping("stopping")
         loop = asyncio.get_running_loop()
         for fd in self._readers:
             loop.remove_reader(fd)
@@ -197,6 +212,8 @@ class Service:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.metrics is not None:
+            await self.metrics.close()
         if self._control is not None:  # stop taking requests first
             self._control.close(linger=0)
             self._control = None
@@ -214,6 +231,7 @@ class Service:
             self._context.destroy()
             self._context = None
         log.info("stopped")
+        self._notifier.close()
 
     def _add_reader(
         self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, drain: Callable
@@ -223,6 +241,40 @@ class Service:
         self._readers.append(fd)
         # Anything that arrived before the reader existed would not wake it.
         loop.call_soon(drain)
+
+    async def _start_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        host, port = self.settings.metrics.host, self.settings.metrics.port
+        try:
+            url = await self.metrics.start(host, port)
+        except OSError as exc:
+            raise StartupError(f"metrics endpoint {host}:{port}: {exc.strerror or exc}") from None
+        log.info("metrics on %s", url)
+
+    def _notify_ready(self) -> None:
+        """Tell systemd (Type=notify) the daemon is ready: every socket is bound and the
+        startup markers are published. Watchdog pings come from this loop, so a stuck loop
+        stops them and systemd restarts the daemon."""
+        if not self._notifier.enabled:
+            return
+        self._notifier.ready(
+            f"serving {len(self.ranks)} rank(s), control on {self.control_endpoint}"
+        )
+        interval = watchdog_interval()
+        if interval is not None:
+            self._tasks.append(
+                asyncio.create_task(self._watchdog(interval), name="kvpubd-watchdog")
+            )
+        log.info(
+            "notified systemd: ready%s",
+            f"; watchdog ping every {interval:g} s" if interval is not None else "",
+        )
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            self._notifier.watchdog()
+            await asyncio.sleep(interval)
 
     async def _drain_loop(self) -> None:
         interval = self.settings.events.tick_interval_ms / 1000
@@ -281,17 +333,20 @@ class Service:
         if len(frames) < 2 or frames[1] != b"":
             log.debug("control: dropped a message without the empty delimiter")
             return None
-        if len(frames) != 3:
-            return error_reply(
-                None, "bad_request", f"expected one request frame, got {len(frames) - 2}"
-            )
         try:
+            if len(frames) != 3:
+                raise ProtocolError(
+                    "bad_request", f"expected one request frame, got {len(frames) - 2}"
+                )
             request = parse_request(frames[2], self.settings.control.max_message_bytes)
         except ProtocolError as exc:
+            if self.metrics is not None:
+                self.metrics.refused(exc.code)
             return error_reply(exc.request_id, exc.code, exc.message)
         return self.handle(request)
 
     def handle(self, request: Request) -> bytes:
+        error_code: str | None = None
         try:
             if request.op == "pause" or request.op == "resume":
                 self.paused = request.op == "pause"
@@ -299,10 +354,15 @@ class Service:
                 return ok_reply(request.id, paused=self.paused)
             return ok_reply(request.id, **self._handlers[type(request)](request))
         except CacheError as exc:
+            error_code = exc.code
             return error_reply(request.id, exc.code, exc.message)
         except Exception as exc:  # a bug: answer it, keep serving
+            error_code = "internal"
             log.exception("control: %s failed", request.op)
             return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
+        finally:
+            if self.metrics is not None:
+                self.metrics.control(request.op, error_code)
 
     def _run_after_reply(self) -> None:
         work, self._after_reply = self._after_reply, []
@@ -386,6 +446,8 @@ class Service:
             # Tearing down a large index and zeroing blocks wait until the reply is out.
             self._after_reply.append(rank.cache.pool.scrub_pending)
             self._reaper.retire(*retired)
+        if self.metrics is not None:
+            self.metrics.reset_done(time.perf_counter() - started)
         log.info(
             "reset rank(s) %s in %.0f us: markers %s",
             ", ".join(str(r.rank) for r in targets),
@@ -425,6 +487,12 @@ class Service:
 
 class StartupError(RuntimeError):
     """The daemon cannot start as configured."""
+
+
+def _create_metrics(service: Service) -> Metrics:
+    from kvpubd.metrics import Metrics  # prometheus-client only where metrics are on
+
+    return Metrics(lambda: service.ranks, lambda: service.paused)
 
 
 def _answers_ping(endpoint: str) -> bool:

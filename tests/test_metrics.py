@@ -1,0 +1,265 @@
+"""The Prometheus endpoint: scraped over real HTTP while a real daemon runs a shared-prefix load,
+its counters equal what a subscriber received; per-daemon registries; bad HTTP input."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpubd.client import ControlError
+from kvpubd.config import Settings
+from kvpubd.launcher import free_tcp_ports, write_config
+from kvpubd.loadgen import DEFAULT_MIX, LoadGenerator, Workload, parse_mix
+from kvpubd.service import Service
+from tests.daemon import Daemon, wait_for
+from tests.streams import Tap
+
+StartDaemon = Callable[..., Daemon]
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str, accept: str | None = None) -> tuple[str, str]:
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+def samples(text: str) -> Samples:
+    """Every sample of an exposition, parsed by prometheus-client's own parser."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(found: Samples, name: str, **labels: str) -> float:
+    return found.get((name, frozenset(labels.items())), 0.0)
+
+
+def counters(found: Samples) -> Samples:
+    return {key: v for key, v in found.items() if key[0].endswith("_total")}
+
+
+def start_with_metrics(start_daemon: StartDaemon) -> tuple[Daemon, str]:
+    port = free_tcp_ports(1)[0]
+    daemon = start_daemon(metrics={"port": port})
+    return daemon, f"http://127.0.0.1:{port}/metrics"
+
+
+def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaemon) -> None:
+    daemon, url = start_with_metrics(start_daemon)
+    with daemon.client() as client, daemon.subscriber() as sub:
+        tap = Tap(sub)
+        tap.go_live(client)
+        before = samples(scrape(url)[1])
+
+        stop = threading.Event()
+        results = {}
+
+        def load() -> None:
+            with daemon.client() as load_client:
+                generator = LoadGenerator(
+                    load_client, Workload(parse_mix(DEFAULT_MIX), seed=3), rate=300, hold=0.05
+                )
+                results["stats"] = generator.run(60, stop.is_set)
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        try:
+            during: list[Samples] = []
+            reset_at = 3
+            while len(during) < 6:
+                # Scrape once more events were published: the load is running.
+                seen = len(tap.history)
+                tap.until(lambda seen=seen: len(tap.history) > seen + 5, what="load's batches")
+                assert thread.is_alive()
+                during.append(samples(scrape(url)[1]))
+                if len(during) == reset_at:
+                    client.reset(force=True)
+        finally:
+            stop.set()
+            thread.join()
+        load_stats = results["stats"]
+        assert load_stats.requests > 0
+
+        # Refused requests, each of a different kind.
+        client.send_raw([b"\xc1"])  # not msgpack
+        assert client.recv_raw()["error"]["code"] == "bad_request"
+        with pytest.raises(ControlError, match="unknown_op"):
+            client.call("frobnicate")
+        with pytest.raises(ControlError, match="bad_request"):
+            client.store("bad-rank", [1] * 16, rank=7)
+        # A snapshot publishes whatever is still captured; nothing publishes after it.
+        tap.through({0: client.snapshot(0)["seq"]})
+        stats = client.stats()["ranks"][0]
+        after = samples(scrape(url)[1])
+
+    # Counters never go down between scrapes.
+    for earlier, later in zip([before, *during], [*during, after], strict=True):
+        for key, count in counters(earlier).items():
+            assert later.get(key, 0.0) >= count, key
+
+    # What the subscriber received: every seq from 0, once.
+    history = tap.history
+    assert [b.seq for b in history] == list(range(len(history)))
+    by_type = Counter(type(e).__name__ for b in history for e in b.batch.events)
+    for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+        assert value(after, "kvpubd_events_published_total", rank="0", type=kind) == by_type[kind]
+    assert by_type["AllBlocksCleared"] == 2  # the start and the reset
+    assert value(after, "kvpubd_batches_published_total", rank="0") == len(history)
+    assert value(after, "kvpubd_seq", rank="0") == history[-1].seq == stats["seq"]
+    assert value(after, "kvpubd_resets_total", rank="0") == 1
+    assert value(after, "kvpubd_reset_duration_seconds_count") == 1
+    assert value(after, "kvpubd_dropped_stores_total", rank="0") == stats["dropped_stores"]
+    assert value(after, "kvpubd_replay_requests_total", rank="0") == stats["replay_requests"] >= 1
+    for gauge, key in (
+        ("kvpubd_pool_blocks_used", "blocks_used"),
+        ("kvpubd_pool_blocks_pinned", "blocks_pinned"),
+        ("kvpubd_pool_blocks_free", "blocks_free"),
+        ("kvpubd_pool_blocks_capacity", "blocks_total"),
+    ):
+        assert value(after, gauge, rank="0") == stats[key], gauge
+    assert value(after, "kvpubd_pool_blocks_used", rank="0") > 0
+
+    # Control requests since the first scrape: the load's, the reset, the refused three (and
+    # the snapshot and stats of the test itself).
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("kvpubd_control_requests_total", op="store") == load_stats.sent["store"] + 1
+    assert delta("kvpubd_control_requests_total", op="release") == load_stats.sent["release"]
+    assert delta("kvpubd_control_requests_total", op="reset") == 1
+    assert delta("kvpubd_control_requests_total", op="invalid") == 2
+    assert delta("kvpubd_control_errors_total", op="invalid", code="bad_request") == 1
+    assert delta("kvpubd_control_errors_total", op="invalid", code="unknown_op") == 1
+    assert delta("kvpubd_control_errors_total", op="store", code="bad_request") == 1
+    for (op, code), count in load_stats.failed.items():  # pool_exhausted, unknown_request
+        assert delta("kvpubd_control_errors_total", op=op, code=code) == count
+
+
+def test_http_edges(start_daemon: StartDaemon) -> None:
+    """Only GET/HEAD of /metrics; OpenMetrics on request; an oversized request is dropped."""
+    _, url = start_with_metrics(start_daemon)
+    content_type, text = scrape(url)
+    assert content_type.startswith("text/plain")
+    assert "kvpubd_info" in text
+    content_type, text = scrape(url, accept="application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    assert text.endswith("# EOF\n")
+
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(url.replace("/metrics", "/nope"), timeout=10)
+    assert missing.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as post:
+        urllib.request.urlopen(urllib.request.Request(url, data=b"x"), timeout=10)
+    assert post.value.code == 405
+    with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as head:
+        assert head.status == 200 and int(head.headers["Content-Length"]) > 0
+        assert head.read() == b""
+
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+        assert sock.recv(4096) == b""  # closed without an answer
+    assert "kvpubd_info" in scrape(url)[1]  # and the daemon still serves
+
+
+async def test_daemons_in_one_process_keep_their_own_metrics(tmp_path: Path) -> None:
+    """Two Services on one loop: each registry reports only its own daemon."""
+    ports = free_tcp_ports(2)
+    services = []
+    for name, port in zip("ab", ports, strict=True):
+        settings = Settings(
+            events={"endpoint": f"ipc://{tmp_path}/{name}-ev", "replay_endpoint": ""},
+            control={"endpoint": f"ipc://{tmp_path}/{name}-ctl"},
+            cache={"num_blocks": 16, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
+            metrics={"port": port},
+        )
+        services.append(Service(settings))
+    try:
+        for service in services:
+            await service.startup()
+        store = {"op": "store", "id": 1, "request_id": "r", "token_ids": list(range(48))}
+        reply = services[0].handle_frames([b"peer", b"", msgpack.packb(store)])
+        assert reply is not None and msgpack.unpackb(reply)["ok"]
+        services[0].ranks[0].flush()
+        found = [
+            samples((await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics"))[1])
+            for port in ports
+        ]
+    finally:
+        for service in services:
+            await service.shutdown()
+    stored = [
+        value(f, "kvpubd_events_published_total", rank="0", type="BlockStored") for f in found
+    ]
+    assert stored == [1, 0]
+    assert [value(f, "kvpubd_control_requests_total", op="store") for f in found] == [1, 0]
+    assert [value(f, "kvpubd_pool_blocks_pinned", rank="0") for f in found] == [3, 0]
+
+
+def serve(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpubd", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_metrics_port_in_use_exits_1_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "c.toml"
+        write_config(
+            config,
+            {
+                "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+                "control": {"endpoint": f"ipc://{tmp_path}/ctl"},
+                "metrics": {"port": port},
+            },
+        )
+        result = serve(config)
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"kvpubd: cannot start: metrics endpoint 127.0.0.1:{port}:"), last
+    assert not (tmp_path / "ctl").exists()  # nothing left behind
+
+
+def test_metrics_port_inside_the_event_ports_is_a_config_error(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    write_config(
+        config,
+        {
+            "events": {"endpoint": "tcp://*:6000", "replay_endpoint": "tcp://*:6100"},
+            "cache": {"data_parallel_size": 4},
+            "metrics": {"port": 6002},
+        },
+    )
+    result = serve(config)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "kvpubd: config error: metrics.port: ports 6002..6002 overlap events.endpoint "
+        "ports 6000..6003"
+    )
+
+
+def test_metrics_are_off_by_default(daemon: Daemon) -> None:
+    assert Settings().metrics.port == 0
+    wait_for(lambda: "ready:" in daemon.log(), what="the ready line")
+    assert "metrics on" not in daemon.log()
