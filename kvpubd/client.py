@@ -1,11 +1,12 @@
-"""Clients of a running daemon: ``ControlClient`` for the control socket, ``Subscriber`` for
-the event stream (with gap repair through replay) and ``Mirror``, a cache view rebuilt from
-published events alone."""
+"""Clients of a running daemon: ``ControlClient`` / ``AsyncControlClient`` for the control
+socket, ``Subscriber`` / ``AsyncSubscriber`` for the event stream (``kvpubd.subscriber``,
+re-exported here), ``replay()``, ``Mirror`` (a cache view rebuilt from published events alone)
+and ``map_pool``."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from kvpubd.config import default_control_endpoint, rank_endpoint
+from kvpubd.config import default_control_endpoint
 from kvpubd.wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -24,7 +25,6 @@ from kvpubd.wire import (
     BlockStored,
     Event,
     EventBatch,
-    decode_batch,
     unpack_seq,
 )
 
@@ -155,9 +155,10 @@ class ControlClient(_Ops):
         """Send one request; return the reply map, or raise ControlError / ControlTimeout."""
         request_id = next(self._ids)
         self.send_raw([_encode_request(op, request_id, fields)])
+        deadline = time.monotonic() + self.timeout
         while True:
-            reply = self.recv_raw()
-            if reply.get("id") == request_id:
+            reply = self.recv_raw(max(0.0, deadline - time.monotonic()))
+            if isinstance(reply, dict) and reply.get("id") == request_id:
                 return _checked(reply)
 
     def _call_for(self, key: str, op: str, **fields: Any) -> Any:
@@ -195,12 +196,14 @@ class AsyncControlClient(_Ops):
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         request_id = next(self._ids)
         await self._sock.send_multipart([b"", _encode_request(op, request_id, fields)])
+        deadline = time.monotonic() + self.timeout
         while True:
-            if not await self._sock.poll(int(self.timeout * 1000)):
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self._sock.poll(int(left * 1000)):
                 raise ControlTimeout(f"no reply from {self.endpoint}")
             frames = await self._sock.recv_multipart()
             reply = msgpack.unpackb(frames[-1], raw=False)
-            if reply.get("id") == request_id:
+            if isinstance(reply, dict) and reply.get("id") == request_id:
                 return _checked(reply)
 
     async def _call_for(self, key: str, op: str, **fields: Any) -> Any:
@@ -276,154 +279,6 @@ class Received:
     replayed: bool
 
 
-@dataclass
-class StreamCounters:
-    batches: int = 0
-    gaps: int = 0
-    repaired: int = 0
-    duplicates: int = 0
-    lost: int = 0  # seqs that replay could not return any more
-
-
-class _RankStream:
-    def __init__(self, context: zmq.Context, rank: int, endpoint: str, replay: str, topic: bytes):
-        self.rank = rank
-        self.sub = context.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sub.connect(endpoint)
-        self.replay_endpoint = replay
-        self.context = context
-        self.last_seq: int | None = None
-
-
-class Subscriber:
-    """Reads one or more ranks' streams in seq order, repairing gaps through replay.
-
-    ``endpoint`` and ``replay_endpoint`` are the daemon's configured base endpoints; each rank's
-    own endpoint is derived from them as the daemon does.
-
-    On connect each rank is replayed from seq 0 (ZeroMQ drops what a SUB gets before it is
-    connected); later gaps are replayed from the last seq + 1. Seqs the replay buffer no
-    longer holds are counted as ``lost``."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None = None,
-        *,
-        ranks: int = 1,
-        topic: str = "",
-        replay_timeout: float = 5.0,
-        context: zmq.Context | None = None,
-    ) -> None:
-        self._own_context = context is None
-        self._context = context or zmq.Context()
-        self.replay_timeout = replay_timeout
-        self.counters = StreamCounters()
-        self._streams = [
-            _RankStream(
-                self._context,
-                rank,
-                rank_endpoint(endpoint, rank),
-                rank_endpoint(replay_endpoint, rank) if replay_endpoint else "",
-                topic.encode(),
-            )
-            for rank in range(ranks)
-        ]
-        self._poller = zmq.Poller()
-        for stream in self._streams:
-            self._poller.register(stream.sub, zmq.POLLIN)
-        self._ready: list[Received] = []
-
-    def __enter__(self) -> Subscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for stream in self._streams:
-            stream.sub.close()
-        if self._own_context:
-            self._context.term()
-
-    def last_seq(self, rank: int = 0) -> int | None:
-        return self._streams[rank].last_seq
-
-    def catch_up(self) -> list[Received]:
-        """Replay every rank from what it has seen (from 0 at first)."""
-        out: list[Received] = []
-        for stream in self._streams:
-            out.extend(self._replay(stream))
-        return out
-
-    def receive(self, timeout: float) -> list[Received]:
-        """Batches that arrived within ``timeout`` seconds, in seq order per rank."""
-        ready = dict(self._poller.poll(int(timeout * 1000)))
-        out: list[Received] = []
-        for stream in self._streams:
-            if stream.sub not in ready:
-                continue
-            while True:
-                try:
-                    frames = stream.sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                out.extend(self._accept(stream, frames))
-        return out
-
-    def __iter__(self) -> Iterator[Received]:
-        yield from self.catch_up()
-        while True:
-            yield from self.receive(0.1)
-
-    def _accept(self, stream: _RankStream, frames: list[bytes]) -> list[Received]:
-        if len(frames) != 3:
-            raise ValueError(f"rank {stream.rank}: live message has {len(frames)} frames, not 3")
-        seq = unpack_seq(frames[1])
-        last = stream.last_seq
-        if last is not None and seq <= last:
-            self.counters.duplicates += 1
-            return []
-        out: list[Received] = []
-        if last is None or seq > last + 1:
-            if last is not None:
-                self.counters.gaps += 1
-            out.extend(self._replay(stream))
-            if stream.last_seq is not None and seq <= stream.last_seq:
-                return out
-            if stream.last_seq is not None and seq > stream.last_seq + 1:
-                self.counters.lost += seq - stream.last_seq - 1
-        out.append(self._deliver(stream, seq, frames[2], replayed=False))
-        return out
-
-    def _deliver(self, stream: _RankStream, seq: int, payload: bytes, replayed: bool) -> Received:
-        stream.last_seq = seq
-        self.counters.batches += 1
-        if replayed:
-            self.counters.repaired += 1
-        return Received(stream.rank, seq, decode_batch(payload), payload, replayed)
-
-    def _replay(self, stream: _RankStream) -> list[Received]:
-        if not stream.replay_endpoint:
-            return []
-        start = 0 if stream.last_seq is None else stream.last_seq + 1
-        out: list[Received] = []
-        for seq, payload in replay(
-            stream.replay_endpoint, start, timeout=self.replay_timeout, context=self._context
-        ):
-            if stream.last_seq is not None and seq <= stream.last_seq:
-                continue
-            if (stream.last_seq is None and seq != 0) or (
-                stream.last_seq is not None and seq > stream.last_seq + 1
-            ):
-                expected = 0 if stream.last_seq is None else stream.last_seq + 1
-                self.counters.lost += seq - expected
-            out.append(self._deliver(stream, seq, payload, replayed=True))
-        return out
-
-
 def replay(
     endpoint: str, start_seq: int, *, timeout: float = 5.0, context: zmq.Context | None = None
 ) -> list[tuple[int, bytes]]:
@@ -494,3 +349,31 @@ class Mirror:
                 event.lora_name,
             )
             parent = block_hash
+
+
+# The subscribers build on the pieces above.
+from kvpubd.subscriber import (  # noqa: E402
+    AsyncSubscriber,
+    Counters,
+    Subscriber,
+    SubscriberError,
+    SubscriberTimeout,
+)
+
+__all__ = [
+    "AsyncControlClient",
+    "AsyncSubscriber",
+    "ControlClient",
+    "ControlError",
+    "ControlTimeout",
+    "Counters",
+    "MappedPool",
+    "Mirror",
+    "MirrorError",
+    "Received",
+    "Subscriber",
+    "SubscriberError",
+    "SubscriberTimeout",
+    "map_pool",
+    "replay",
+]

@@ -27,10 +27,10 @@ from rich.text import Text
 
 from kvpubd.client import (
     ControlError,
+    Counters,
     Mirror,
     MirrorError,
     Received,
-    StreamCounters,
     Subscriber,
 )
 from kvpubd.launcher import DaemonProcess
@@ -85,7 +85,7 @@ class Demo:
         self.pool: dict[str, Any] = {}
         self.reset: ResetResult | None = None
         self.stall_s = 0.0
-        self.counters = StreamCounters()
+        self.counters = Counters()
         self.snapshot_blocks = 0
         self.load: LoadGenerator | None = None
         self.load_error: BaseException | None = None
@@ -234,7 +234,7 @@ class Demo:
         )
         table.add_row("batches", f"{self.seen.batches} (last seq {self.seen.last_seq})")
         table.add_row(
-            "gaps", f"{counters.gaps}, {counters.repaired} batches repaired through replay"
+            "gaps", f"{counters.gaps}, {counters.replayed} batches repaired through replay"
         )
         if self.pool:
             table.add_row(
@@ -265,7 +265,7 @@ class Demo:
         table.add_row("batches", f"{self.seen.batches}, seqs 0..{self.seen.last_seq}")
         table.add_row(
             "gaps repaired",
-            f"{counters.gaps} gap(s), {counters.repaired} batches through replay "
+            f"{counters.gaps} gap(s), {counters.replayed} batches through replay "
             f"(the initial catch-up included), {counters.lost} lost",
         )
         if self.reset is not None:

@@ -15,16 +15,18 @@ call, so a caller that waits out a daemon restart just calls again."""
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
-from kvpubd.client import ControlClient, ControlError, ControlTimeout, Mirror, Received
+from kvpubd.client import (
+    AsyncControlClient,
+    ControlClient,
+    Mirror,
+    Received,
+)
 from kvpubd.config import rank_endpoint
 from kvpubd.tracker import (
     Callbacks,
@@ -331,51 +333,17 @@ class Subscriber(_Base):
             batches.append(item)
 
 
-class AsyncControl:
-    """The few control calls a subscriber needs, on an asyncio DEALER. Replies are matched by
-    id, so a late reply to a timed-out request never answers the next one."""
-
-    def __init__(self, endpoint: str, timeout: float, context: zmq.asyncio.Context) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self._sock = context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
-        self._ids = itertools.count(1)
-
-    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        request_id = next(self._ids)
-        request = msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)
-        await self._sock.send_multipart([b"", request])
-        deadline = time.monotonic() + self.timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not await self._sock.poll(int(left * 1000)):
-                raise ControlTimeout(f"no reply from {self.endpoint}")
-            frames = await self._sock.recv_multipart()
-            reply = msgpack.unpackb(frames[-1], raw=False)
-            if isinstance(reply, dict) and reply.get("id") == request_id:
-                break
-        if not reply.get("ok"):
-            error = reply.get("error") or {}
-            raise ControlError(str(error.get("code")), str(error.get("message")))
-        return reply
-
-    def close(self) -> None:
-        self._sock.close()
-
-
 class AsyncSubscriber(_Base):
     """``Subscriber`` for asyncio: the same arguments and views; ``catch_up`` and ``receive``
     are coroutines and ``async for`` yields batches forever. ``control`` is an endpoint or an
-    object with a coroutine ``call(op, **fields)`` (like ``AsyncControl``)."""
+    object with a coroutine ``call(op, **fields)`` (like ``AsyncControlClient``)."""
 
     def __init__(
         self,
         endpoint: str,
         replay_endpoint: str | None = None,
         *,
-        control: str | AsyncControl | None = None,
+        control: str | AsyncControlClient | None = None,
         ranks: int | Sequence[int] = 1,
         topic: str = "",
         replay_timeout: float = 5.0,
@@ -408,7 +376,7 @@ class AsyncSubscriber(_Base):
         self._context = context or zmq.asyncio.Context()
         self._own_control = isinstance(control, str)
         self._control = (
-            AsyncControl(control, control_timeout, self._context)
+            AsyncControlClient(control, control_timeout, self._context)
             if isinstance(control, str)
             else control
         )
