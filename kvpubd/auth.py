@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -74,6 +75,22 @@ def apply_curve_client(sock: zmq.Socket, secret_file: Path, server_public_file: 
     sock.curve_secretkey = secret
     sock.curve_publickey = public
     sock.curve_serverkey = load_public_certificate(server_public_file)
+
+
+def check_curve_settings(control: Any) -> None:
+    """Raise ConfigError naming the key when CURVE is configured with unusable files."""
+    from kvpubd.config import ConfigError
+
+    if not control.curve_secret_key:
+        return
+    try:
+        load_secret_certificate(Path(control.curve_secret_key))
+    except AuthError as exc:
+        raise ConfigError(f"control.curve_secret_key: {exc}") from None
+    if not Path(control.curve_authorized_keys).is_dir():
+        raise ConfigError(
+            f"control.curve_authorized_keys: {control.curve_authorized_keys} is not a directory"
+        )
 
 
 def create_keys(directory: Path, name: str) -> tuple[Path, Path]:

@@ -37,11 +37,21 @@ class Lease:
 
 class RankCache:
     def __init__(
-        self, config: CacheConfig, sink: EventSink, hash_format: HashFormat, rank: int = 0
+        self,
+        config: CacheConfig,
+        sink: EventSink,
+        hash_format: HashFormat,
+        rank: int = 0,
+        pool_name: str | None = None,
     ) -> None:
         self.block_size = config.block_size
         self.pool = create_pool(
-            config.device, config.num_blocks, config.block_bytes, config.scrub_on_free, rank
+            config.device,
+            config.num_blocks,
+            config.block_bytes,
+            config.scrub_on_free,
+            rank,
+            pool_name,
         )
         self.index = RadixIndex(config.num_blocks)
         # Token ids of each cached block, indexed by block id (kept for snapshots).

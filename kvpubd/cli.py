@@ -42,8 +42,46 @@ def _fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _call(control: str | None, timeout: float, op: str, **fields: Any) -> dict[str, Any]:
-    with ControlClient(control or default_control_endpoint(), timeout=timeout) as client:
+CurveKeyOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--curve-key",
+        envvar="KVPUBD_CURVE_KEY",
+        help="This client's secret certificate, for a daemon with CURVE on.",
+    ),
+]
+ServerKeyOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--server-key",
+        envvar="KVPUBD_SERVER_KEY",
+        help="The daemon's public certificate, for a daemon with CURVE on.",
+    ),
+]
+
+
+def _curve(curve_key: Path | None, server_key: Path | None) -> tuple[Path, Path] | None:
+    if curve_key is None and server_key is None:
+        return None
+    if curve_key is None or server_key is None:
+        raise _fail("CURVE needs both --curve-key and --server-key", code=2)
+    return curve_key, server_key
+
+
+def _call(
+    control: str | None,
+    timeout: float,
+    op: str,
+    curve: tuple[Path, Path] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    from kvpubd.auth import AuthError
+
+    try:
+        client = ControlClient(control or default_control_endpoint(), timeout, curve=curve)
+    except AuthError as exc:
+        raise _fail(str(exc), code=2) from None
+    with client:
         try:
             return client.call(op, **fields)
         except ControlTimeout as exc:
@@ -65,12 +103,14 @@ def serve(
     """Run the daemon until SIGTERM or SIGINT."""
     import zmq
 
+    from kvpubd.auth import check_curve_settings
     from kvpubd.pool import check_device
     from kvpubd.service import StartupError, run
 
     try:
         settings = load_settings(config)
         check_device(settings.cache.device)
+        check_curve_settings(settings.control)
     except ConfigError as exc:
         raise _fail(f"config error: {exc}", code=2) from None
     except ValueError as exc:
@@ -92,33 +132,62 @@ def serve(
 
 
 @app.command()
+def keys(
+    directory: Annotated[Path, typer.Argument(help="Where to write the certificates.")],
+    name: Annotated[str, typer.Option(help="Certificate name: NAME.key and NAME.key_secret.")] = (
+        "kvpubd"
+    ),
+) -> None:
+    """Write a CURVE certificate pair (public NAME.key, owner-only NAME.key_secret) for
+    control.curve_secret_key (the daemon) or --curve-key (a client); put clients' NAME.key
+    files in the daemon's control.curve_authorized_keys directory."""
+    from kvpubd.auth import create_keys
+
+    public, secret = create_keys(directory, name)
+    typer.echo(f"public: {public}\nsecret: {secret}")
+
+
+@app.command()
 def reset(
     control: ControlOption = None,
     rank: Annotated[int | None, typer.Option(help="Reset only this rank [default: all].")] = None,
     force: Annotated[bool, typer.Option(help="Reset even while requests pin blocks.")] = False,
     timeout: TimeoutOption = 5.0,
+    curve_key: CurveKeyOption = None,
+    server_key: ServerKeyOption = None,
 ) -> None:
     """Clear the cache and publish AllBlocksCleared at once; print each rank's marker seq."""
     fields: dict[str, Any] = {"force": force}
     if rank is not None:
         fields["rank"] = rank
-    for marker in _call(control, timeout, "reset", **fields)["markers"]:
+    curve = _curve(curve_key, server_key)
+    for marker in _call(control, timeout, "reset", curve, **fields)["markers"]:
         typer.echo(f"rank {marker['rank']}: marker seq {marker['seq']}")
 
 
 @app.command()
-def stats(control: ControlOption = None, timeout: TimeoutOption = 5.0) -> None:
+def stats(
+    control: ControlOption = None,
+    timeout: TimeoutOption = 5.0,
+    curve_key: CurveKeyOption = None,
+    server_key: ServerKeyOption = None,
+) -> None:
     """Print the daemon's counters as JSON."""
-    reply = _call(control, timeout, "stats")
+    reply = _call(control, timeout, "stats", _curve(curve_key, server_key))
     reply.pop("ok", None)
     reply.pop("id", None)
     typer.echo(json.dumps(reply, indent=2))
 
 
 @app.command()
-def ping(control: ControlOption = None, timeout: TimeoutOption = 5.0) -> None:
+def ping(
+    control: ControlOption = None,
+    timeout: TimeoutOption = 5.0,
+    curve_key: CurveKeyOption = None,
+    server_key: ServerKeyOption = None,
+) -> None:
     """Check that the daemon answers; print its version, epoch and endpoints."""
-    reply = _call(control, timeout, "ping")
+    reply = _call(control, timeout, "ping", _curve(curve_key, server_key))
     typer.echo(json.dumps({k: v for k, v in reply.items() if k not in ("ok", "id")}))
 
 

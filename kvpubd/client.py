@@ -143,7 +143,11 @@ class ControlClient(_Ops):
 
     def send_raw(self, frames: list[bytes]) -> None:
         """Send frames as they are (after the delimiter), for protocol tests."""
-        self._sock.send_multipart([b"", *frames])
+        # With no usable connection (nothing listening, or a refused CURVE handshake) a DEALER
+        # holds the message back; don't wait longer than for a reply.
+        if not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+            raise ControlTimeout(f"cannot send to {self.endpoint}")
+        self._sock.send_multipart([b"", *frames], zmq.NOBLOCK)
 
     def recv_raw(self, timeout: float | None = None) -> dict[str, Any]:
         if not self._sock.poll(int((self.timeout if timeout is None else timeout) * 1000)):
@@ -195,8 +199,10 @@ class AsyncControlClient(_Ops):
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         request_id = next(self._ids)
-        await self._sock.send_multipart([b"", _encode_request(op, request_id, fields)])
         deadline = time.monotonic() + self.timeout
+        if not await self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+            raise ControlTimeout(f"cannot send to {self.endpoint}")
+        await self._sock.send_multipart([b"", _encode_request(op, request_id, fields)])
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not await self._sock.poll(int(left * 1000)):

@@ -57,6 +57,8 @@ class EventsConfig(_Section):
     medium: str | None = None
     # Immediate publication of reset markers; off only to measure the engines' behaviour.
     flush_on_reset: bool = True
+    # Replays streamed at once per rank; more requests get no answer and are retried.
+    max_replays: int = Field(64, ge=1, le=10_000)
 
     @field_validator("endpoint")
     @classmethod
@@ -73,11 +75,22 @@ class ControlConfig(_Section):
     endpoint: str = Field(default_factory=default_control_endpoint)
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_tokens_per_request: int = Field(1_000_000, ge=1)
+    # CURVE authentication: the daemon's secret certificate and a directory of the public
+    # certificates of the clients it admits (both, or neither for no authentication).
+    curve_secret_key: str = ""
+    curve_authorized_keys: str = ""
 
     @field_validator("endpoint")
     @classmethod
     def _check_endpoint(cls, value: str) -> str:
         return check_endpoint(value)
+
+    @model_validator(mode="after")
+    def _check_curve(self) -> ControlConfig:
+        if bool(self.curve_secret_key) != bool(self.curve_authorized_keys):
+            missing = "curve_authorized_keys" if self.curve_secret_key else "curve_secret_key"
+            raise ValueError(f"control.{missing}: CURVE needs both key settings")
+        return self
 
 
 class CacheConfig(_Section):

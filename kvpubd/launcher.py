@@ -51,8 +51,13 @@ class DaemonProcess:
     "tcp" uses free loopback ports. ``overrides`` maps section -> key -> value."""
 
     def __init__(
-        self, overrides: dict[str, dict[str, Any]] | None = None, transport: str = "ipc"
+        self,
+        overrides: dict[str, dict[str, Any]] | None = None,
+        transport: str = "ipc",
+        curve: tuple[Path, Path] | None = None,
     ) -> None:
+        # (client secret certificate, daemon public certificate) when CURVE is on.
+        self.curve = curve
         # ipc paths are limited to ~107 bytes: keep the directory short.
         self.dir = Path(tempfile.mkdtemp(prefix="kvp", dir="/tmp"))
         if transport == "tcp":
@@ -106,7 +111,7 @@ class DaemonProcess:
                         raise RuntimeError(f"daemon did not answer:\n{self.log()}") from None
 
     def client(self, timeout: float = 5.0) -> ControlClient:
-        return ControlClient(self.control_endpoint, timeout=timeout)
+        return ControlClient(self.control_endpoint, timeout=timeout, curve=self.curve)
 
     def subscriber(self, **kwargs: Any) -> Subscriber:
         kwargs.setdefault("ranks", self.ranks)

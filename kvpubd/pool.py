@@ -8,6 +8,8 @@ again.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import secrets
 from multiprocessing import shared_memory
@@ -16,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from kvpubd import kernels
+
+log = logging.getLogger(__name__)
 
 
 class PoolExhausted(Exception):
@@ -111,13 +115,23 @@ class HostPool(BlockPool):
     """NumPy pool in a POSIX shared memory segment, readable and writable by this user only
     (``shm_open`` mode 0600); the segment is unlinked on ``close``."""
 
-    def __init__(self, num_blocks: int, block_bytes: int, scrub_on_free: bool, rank: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_bytes: int, scrub_on_free: bool, name: str | None = None
+    ) -> None:
         super().__init__(num_blocks, block_bytes, scrub_on_free)
-        name = f"kvpubd-{os.getpid()}-{rank}-{secrets.token_hex(4)}"
-        # A fresh segment reads as zeros; the resource tracker unlinks it if we are killed.
-        self._shm = shared_memory.SharedMemory(
-            name=name, create=True, size=num_blocks * block_bytes
-        )
+        name = name or f"kvpubd-{os.getpid()}-{secrets.token_hex(6)}"
+        size = num_blocks * block_bytes
+        # A fresh segment reads as zeros; the resource tracker unlinks it if only we are killed.
+        try:
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        except FileExistsError:
+            # Left by a daemon on the same control endpoint that died with its resource
+            # tracker (a kill of the whole process group); the caller made sure none runs.
+            stale = shared_memory.SharedMemory(name=name)
+            stale.close()
+            stale.unlink()
+            log.warning("removed stale shared memory segment %s", name)
+            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         self.data: np.ndarray | None = np.ndarray(
             (num_blocks, block_bytes), dtype=np.uint8, buffer=self._shm.buf
         )
@@ -219,12 +233,24 @@ class CudaPool(BlockPool):
         self._memory = None
 
 
+def pool_segment_name(control_endpoint: str, rank: int) -> str:
+    """The shared memory name of a daemon's rank: derived from its control endpoint (one daemon
+    per endpoint), so that a restart finds and replaces what a killed run left behind."""
+    digest = hashlib.sha256(control_endpoint.encode()).hexdigest()[:12]
+    return f"kvpubd-{os.getuid()}-{digest}-r{rank}"
+
+
 def create_pool(
-    device: str, num_blocks: int, block_bytes: int, scrub_on_free: bool, rank: int
+    device: str,
+    num_blocks: int,
+    block_bytes: int,
+    scrub_on_free: bool,
+    rank: int = 0,
+    name: str | None = None,
 ) -> BlockPool:
-    """The pool for ``device`` ("cpu" or "cuda:N")."""
+    """The pool for ``device`` ("cpu" or "cuda:N"); ``name`` names a host pool's segment."""
     if device == "cpu":
-        return HostPool(num_blocks, block_bytes, scrub_on_free, rank)
+        return HostPool(num_blocks, block_bytes, scrub_on_free, name)
     return CudaPool(num_blocks, block_bytes, scrub_on_free, int(device.split(":", 1)[1]))
 
 

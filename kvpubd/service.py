@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvpubd import __version__
+from kvpubd.auth import CurveServer
 from kvpubd.cache import CacheError, RankCache
 from kvpubd.config import Settings, rank_endpoint
 from kvpubd.control import (
@@ -40,6 +41,7 @@ from kvpubd.control import (
 )
 from kvpubd.hashing import token_count, tokens_array
 from kvpubd.notify import Notifier, watchdog_interval
+from kvpubd.pool import pool_segment_name
 from kvpubd.publisher import Publisher
 from kvpubd.reaper import Reaper
 from kvpubd.sink import EventSink
@@ -74,6 +76,7 @@ class Rank:
             wire_format=events.wire_format,
             rank=rank,
             buffer_steps=events.buffer_steps,
+            max_replays=events.max_replays,
             hwm=events.hwm,
             replay_framing=events.replay_framing,
             linger_ms=settings.service.linger_ms,
@@ -83,7 +86,13 @@ class Rank:
             medium=settings.medium,
             max_events_per_tick=events.max_events_per_tick,
         )
-        self.cache = RankCache(settings.cache, self.sink, events.hash_format, rank)
+        self.cache = RankCache(
+            settings.cache,
+            self.sink,
+            events.hash_format,
+            rank,
+            pool_name=pool_segment_name(settings.control.endpoint, rank),
+        )
         self.resets = 0
 
     def flush(self, new_tick: bool = False) -> int | None:
@@ -138,6 +147,7 @@ class Service:
         self._reaper = Reaper()
         self.metrics = _create_metrics(self) if settings.metrics.port else None
         self._notifier = Notifier.from_environment()
+        self._curve: CurveServer | None = None
         self._handlers: dict[type, Callable[[Any], dict[str, Any]]] = {
             Ping: self._ping,
             Stats: self._stats,
@@ -171,6 +181,9 @@ class Service:
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
         self._context = zmq.Context()
+        # Control first: it refuses to start beside a running daemon on the same endpoint,
+        # before anything here could take over that daemon's sockets or pool segment.
+        self._control = self._bind_control()
         for rank in range(self.settings.cache.data_parallel_size):
             self.ranks.append(Rank(rank, self.settings, self._context, self.metrics))
         for rank in self.ranks:
@@ -185,7 +198,6 @@ class Service:
             )
             if rank.publisher.replay is not None:
                 self._add_reader(loop, rank.publisher.replay, _replay_pump(rank.publisher))
-        self._control = self._bind_control()
         self._add_reader(loop, self._control, self._serve_control)
         await self._start_metrics()
         self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
@@ -225,6 +237,9 @@ class Service:
         for rank in self.ranks:
             rank.publisher.close()
             rank.cache.pool.close()
+        if self._curve is not None:
+            self._curve.stop()
+            self._curve = None
         if self._context is not None:
             # Closes what a failed start-up left open, then waits up to each socket's linger
             # (linger_ms for PUB) for queued messages to reach subscribers.
@@ -291,6 +306,12 @@ class Service:
         endpoint = self.settings.control.endpoint
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        control = self.settings.control
+        if control.curve_secret_key:
+            self._curve = CurveServer(
+                self._context, Path(control.curve_secret_key), Path(control.curve_authorized_keys)
+            )
+            self._curve.apply(sock)
         # Hard cap well above the protocol limit: larger frames cost a disconnect, not memory.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.settings.control.max_message_bytes + 1024)
         path = _ipc_path(endpoint)

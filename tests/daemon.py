@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvpubd.launcher import DaemonProcess, toml_value, write_config
@@ -31,8 +32,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
 class Daemon(DaemonProcess):
     """A ``kvpubd serve`` child on private ipc endpoints; ``overrides`` beat TEST_DEFAULTS."""
 
-    def __init__(self, overrides: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        overrides: dict[str, dict[str, Any]] | None = None,
+        curve: tuple[Path, Path] | None = None,
+    ) -> None:
         merged = {section: dict(values) for section, values in TEST_DEFAULTS.items()}
         for section, values in (overrides or {}).items():
             merged.setdefault(section, {}).update(values)
-        super().__init__(merged, transport="ipc")
+        super().__init__(merged, transport="ipc", curve=curve)
