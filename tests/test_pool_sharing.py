@@ -149,3 +149,38 @@ def test_mapping_client_exit_does_not_unlink_the_segment(daemon: Any) -> None:
         written = np.zeros((1, info["block_bytes"]), np.uint8)
         written[0, 0] = 7
         assert client.checksum([0]) == numpy_checksum(written, [0]).tolist()
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat_file.parent.name))
+    return found
+
+
+def test_restart_replaces_a_segment_left_by_a_killed_process_group(
+    start_daemon: DaemonFactory,
+) -> None:
+    """When the daemon and its resource tracker die together (a watchdog kill of the whole
+    group), the segment stays behind; the next start on the same endpoint replaces it."""
+    daemon = start_daemon()
+    with daemon.client() as client:
+        path = shm_path(client.pool_info()["name"])
+        client.store("a", prompt(6, 2))
+    assert daemon.proc is not None
+    for child in children_of(daemon.proc.pid):  # the resource tracker
+        os.kill(child, signal.SIGKILL)
+    daemon.stop(signal.SIGKILL)
+    assert path.exists()
+    daemon.start()
+    with daemon.client() as client:
+        assert shm_path(client.pool_info()["name"]) == path
+        assert client.stats()["ranks"][0]["blocks_used"] == 0
+    assert "removed stale shared memory segment" in daemon.log()
+    assert daemon.stop() == 0
+    assert not path.exists()
