@@ -132,6 +132,79 @@ def _is_marker(event: Any) -> bool:
     return bool(event) and event[0] == "AllBlocksCleared"
 
 
+def _bare_marker_server(control: str, events: str) -> None:
+    """The floor of the reset path: a plain loop that answers each request by publishing a
+    pre-encoded marker batch on a PUB and replying, nothing else (run in its own process)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(control)
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(events)
+    payload = msgpack.packb([0.0, [{"type": "AllBlocksCleared"}], 0])
+    seq = 0
+    while True:
+        frames = router.recv_multipart()
+        request = msgpack.unpackb(frames[-1])
+        if request.get("op") == "stop":
+            break
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        reply = {"ok": True, "id": request.get("id"), "markers": [{"rank": 0, "seq": seq}]}
+        router.send_multipart([frames[0], b"", msgpack.packb(reply)])
+        seq += 1
+    router.close(linger=0)
+    pub.close(linger=0)
+    ctx.term()
+
+
+class BareMarkerServer:
+    """``_bare_marker_server`` in a child process, with the endpoints ResetProbe expects."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        from kvpubd.launcher import free_tcp_ports
+
+        control, events = free_tcp_ports(2)
+        self.control_endpoint = f"tcp://127.0.0.1:{control}"
+        self.events_endpoint = f"tcp://127.0.0.1:{events}"
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_bare_marker_server, args=(self.control_endpoint, self.events_endpoint)
+        )
+
+    def client(self, timeout: float = 5.0) -> Any:
+        from kvpubd.client import ControlClient
+
+        return ControlClient(self.control_endpoint, timeout=timeout)
+
+    def __enter__(self) -> BareMarkerServer:
+        self._process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.client() as client:
+            client.send_raw([msgpack.packb({"op": "stop"})])
+        self._process.join(10)
+
+
+def measure_floor(resets: int, idle_ms: float, progress: Progress) -> dict[str, Any]:
+    """Reset latency of the bare marker server, measured exactly like the daemon's."""
+    with BareMarkerServer() as server:
+        probe = ResetProbe(server)  # type: ignore[arg-type]
+        try:
+            probe.wait_connected()
+            task = progress.add_task("floor (bare pyzmq loop)", total=resets)
+            markers, replies = [], []
+            for _ in range(resets):
+                probe.drain_sub(idle_ms / 1000)
+                marker, reply = probe.time_reset()
+                markers.append(marker)
+                replies.append(reply)
+                progress.advance(task)
+        finally:
+            probe.close()
+    return {**summary(markers), "reply": summary(replies)}
+
+
 def measure_resets(
     sizes: list[int],
     resets: int,
@@ -194,10 +267,14 @@ def bench_reset(
     with Progress(console=err, transient=True) as progress:
         immediate = measure_resets(size_list, resets, True, progress, device, idle_ms)
         baseline = measure_resets(size_list, resets, False, progress, device, idle_ms)
+        floor = measure_floor(resets, idle_ms, progress)
     if as_json:
-        typer.echo(json.dumps({"sizes": immediate, "baseline": baseline}))
+        typer.echo(json.dumps({"sizes": immediate, "baseline": baseline, "floor": floor}))
         return
-    table = Table(title="reset -> marker received (loopback tcp, idle daemon)")
+    table = Table(
+        title="reset -> marker received (loopback tcp, idle daemon)",
+        caption="floor: a bare pyzmq loop that only publishes a marker and replies",
+    )
     for column in (
         "cached blocks",
         "n",
@@ -221,6 +298,16 @@ def bench_reset(
             f"{base['p50_us']:.0f}",
             f"{base['p99_us']:.0f}",
         )
+    table.add_row(
+        "floor",
+        str(floor["n"]),
+        f"{floor['p50_us']:.0f}",
+        f"{floor['p99_us']:.0f}",
+        f"{floor['max_us']:.0f}",
+        f"{floor['reply']['p50_us']:.0f}",
+        "",
+        "",
+    )
     Console().print(table)
 
 
@@ -407,8 +494,6 @@ def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[
     events (pre-converted to their wire form) and sending them on a bare PUB."""
     import tempfile
 
-    import msgpack
-
     from kvpubd.publisher import Publisher
     from kvpubd.wire import event_to_wire, pack_seq
 
@@ -517,8 +602,6 @@ def make_prompts(count: int, seed: int = 0) -> list[bytes]:
 
 def _count_stored(endpoint: str, ready: Any, results: Any) -> None:
     """Subscriber process: decode every batch, count published blocks, check seqs."""
-    import msgpack
-
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
