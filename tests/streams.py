@@ -7,6 +7,8 @@ with a deadline; nothing sleeps in place of synchronisation."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -40,6 +42,20 @@ def chain_hashes(
     wire = wire_hasher(hash_format)  # type: ignore[arg-type]
     digests = chain_digests(tokens_array(tokens), block_size, root_key(lora_id, cache_salt))
     return wire(digests)
+
+
+def reference_chain(
+    tokens: list[int], lora_id: int | None = None, salt: str | None = None
+) -> list[int]:
+    """The u64 wire hashes of the full blocks of ``tokens``, computed from DESIGN.md's chain
+    with hashlib and struct alone (independent of kvpubd.hashing but for the root key)."""
+    prev = root_key(lora_id, salt)
+    out = []
+    for i in range(len(tokens) // BLOCK_SIZE):
+        block = struct.pack(f"<{BLOCK_SIZE}I", *tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+        prev = hashlib.sha256(prev + block).digest()
+        out.append(int.from_bytes(prev[-8:], "big"))
+    return out
 
 
 def is_marker(event: Event) -> bool:

@@ -4,18 +4,16 @@ the capture cap, and the stats counters. Every check reads the real published st
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import time
 from typing import Any
 
 import pytest
 
 from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.hashing import root_key
 from kvpubd.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, event_from_wire
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
+from tests.streams import reference_chain
 
 BS = 16  # the test daemon's block_size
 MEDIUM = "CPU"  # NumPy pool
@@ -37,18 +35,6 @@ def toks(n: int, start: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def chain(tokens: list[int], lora_id: int | None = None, salt: str | None = None) -> list[int]:
-    """The u64 wire hashes of every full block of ``tokens``, computed here independently."""
-    prev = root_key(lora_id, salt)
-    out = []
-    for i in range(len(tokens) // BS):
-        prev = hashlib.sha256(
-            prev + struct.pack(f"<{BS}I", *tokens[i * BS : (i + 1) * BS])
-        ).digest()
-        out.append(int.from_bytes(prev[-8:], "big"))
-    return out
-
-
 def stored(
     tokens: list[int],
     first: int,
@@ -58,7 +44,7 @@ def stored(
     lora_name: str | None = None,
 ) -> BlockStored:
     """The BlockStored event expected for blocks ``first .. first+count-1`` of ``tokens``."""
-    hashes = chain(tokens, lora_id, salt)
+    hashes = reference_chain(tokens, lora_id, salt)
     return BlockStored(
         hashes[first : first + count],
         hashes[first - 1] if first else None,
@@ -203,7 +189,7 @@ def test_extending_a_cached_prefix_publishes_only_new_blocks(daemon: Daemon) -> 
         reply = p.client.store("longer", longer)
         assert reply["num_cached_tokens"] == 2 * BS and len(reply["block_ids"]) == 5
         assert p.sync() == [stored(longer, 2, 2)]
-        assert stored(longer, 2, 2).parent_block_hash == chain(base)[-1]
+        assert stored(longer, 2, 2).parent_block_hash == reference_chain(base)[-1]
 
         reply = p.client.store("diverged", diverged)
         assert reply["num_cached_tokens"] == BS
@@ -216,7 +202,7 @@ def test_lru_evicts_oldest_released_chain_tail_first(start_daemon: DaemonFactory
     daemon = start_daemon(cache={"num_blocks": 8})
     pinned, a, b = toks(BS, 3000), toks(3 * BS, 1000), toks(3 * BS, 2000)
     c, d = toks(3 * BS, 4000), toks(2 * BS, 5000)
-    ha, hb, hp = chain(a), chain(b), chain(pinned)
+    ha, hb, hp = reference_chain(a), reference_chain(b), reference_chain(pinned)
     with Probe(daemon) as p:
         p.client.store("pinned", pinned)
         p.client.store("a", a)
@@ -237,7 +223,13 @@ def test_lru_evicts_oldest_released_chain_tail_first(start_daemon: DaemonFactory
         assert events.index(stored(d, 0, 2)) > max(
             i for i, e in enumerate(events) if isinstance(e, BlockRemoved)
         )
-        assert p.published_hashes() == {hp[0], hb[0], hb[1], *chain(c), *chain(d)}
+        assert p.published_hashes() == {
+            hp[0],
+            hb[0],
+            hb[1],
+            *reference_chain(c),
+            *reference_chain(d),
+        }
 
 
 def test_matching_a_released_chain_refreshes_its_recency(start_daemon: DaemonFactory) -> None:
@@ -255,8 +247,8 @@ def test_matching_a_released_chain_refreshes_its_recency(start_daemon: DaemonFac
 
         p.client.store("c", c)  # 2 free: evicts 2 of b, none of a
         events = p.sync()
-        assert removed_hashes(events) == chain(b)[::-1]
-        assert p.published_hashes() == {*chain(a), *chain(c)}
+        assert removed_hashes(events) == reference_chain(b)[::-1]
+        assert p.published_hashes() == {*reference_chain(a), *reference_chain(c)}
 
 
 def test_pool_exhausted_changes_nothing(start_daemon: DaemonFactory) -> None:
@@ -288,10 +280,10 @@ def test_pool_exhausted_changes_nothing(start_daemon: DaemonFactory) -> None:
         expect_error("pool_exhausted", p.client.store, "y", toks(4 * BS, 6000))
         assert p.cache_stats() == before
         assert p.sync() == [], "a refused store must not evict"
-        assert set(chain(p2)) <= p.published_hashes()
+        assert set(reference_chain(p2)) <= p.published_hashes()
 
         p.client.store("z", toks(3 * BS, 7000))
-        assert removed_hashes(p.sync()) == chain(p2)[::-1]
+        assert removed_hashes(p.sync()) == reference_chain(p2)[::-1]
 
 
 def test_duplicate_and_unknown_request_ids(daemon: Daemon) -> None:
@@ -354,7 +346,7 @@ def test_capture_cap_drops_stores_descendants_and_their_removals(
     daemon = start_daemon(cache={"num_blocks": 16}, events={"max_events_per_tick": 4})
     prompt = toks(10 * BS, 0)
     longer = prompt + toks(2 * BS, 5000)
-    h = chain(longer)
+    h = reference_chain(longer)
     fillers = [toks(4 * BS, 10_000 + 1000 * i) for i in range(4)]
     with Probe(daemon) as p:
         p.client.pause()  # one tick until resumed; nothing stored yet, so the budget is full
@@ -380,7 +372,7 @@ def test_capture_cap_drops_stores_descendants_and_their_removals(
             events = p.sync()
             assert removed_hashes(events) == expected_removed[i]
             assert [e for e in events if isinstance(e, BlockStored)] == [stored(filler, 0, 4)]
-        assert p.published_hashes() == {x for f in fillers for x in chain(f)}
+        assert p.published_hashes() == {x for f in fillers for x in reference_chain(f)}
         assert p.cache_stats()["dropped_stores"] == 8
 
 

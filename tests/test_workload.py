@@ -15,10 +15,8 @@ that force evictions. The oracle needs no model of the cache:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,10 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.hashing import root_key
 from kvpubd.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_from_wire
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
+from tests.streams import reference_chain
 
 BS = 16  # the test daemon's block_size
 PREFIX_BLOCKS = 10
@@ -49,18 +47,6 @@ CACHE_FIELDS = (
 )
 
 BlockKey = tuple[int, int | None, tuple[int, ...], int | None]
-
-
-def chain(tokens: list[int], lora_id: int | None, salt: str | None) -> list[int]:
-    """The u64 wire hashes of the full blocks of ``tokens`` (hash chain from the design)."""
-    prev = root_key(lora_id, salt)
-    out = []
-    for i in range(len(tokens) // BS):
-        prev = hashlib.sha256(
-            prev + struct.pack(f"<{BS}I", *tokens[i * BS : (i + 1) * BS])
-        ).digest()
-        out.append(int.from_bytes(prev[-8:], "big"))
-    return out
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -176,7 +162,7 @@ class Workload:
             self.exhausted += 1
             return None
         ids, cached = reply["block_ids"], reply["num_cached_tokens"]
-        hashes = chain(prompt, lora_id, salt)
+        hashes = reference_chain(prompt, lora_id, salt)
         assert len(ids) == need and len(set(ids)) == need
         assert all(0 <= i < self.total for i in ids)
         assert cached % BS == 0 and cached <= len(hashes) * BS
