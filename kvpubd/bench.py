@@ -134,7 +134,8 @@ def _is_marker(event: Any) -> bool:
 
 def _bare_marker_server(control: str, events: str) -> None:
     """The floor of the reset path: a plain loop that answers each request by publishing a
-    pre-encoded marker batch on a PUB and replying, nothing else (run in its own process)."""
+    pre-encoded marker batch on a PUB and replying, nothing else (run in its own process, until
+    it is terminated)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.bind(control)
@@ -145,15 +146,10 @@ def _bare_marker_server(control: str, events: str) -> None:
     while True:
         frames = router.recv_multipart()
         request = msgpack.unpackb(frames[-1])
-        if request.get("op") == "stop":
-            break
         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
         reply = {"ok": True, "id": request.get("id"), "markers": [{"rank": 0, "seq": seq}]}
         router.send_multipart([frames[0], b"", msgpack.packb(reply)])
         seq += 1
-    router.close(linger=0)
-    pub.close(linger=0)
-    ctx.term()
 
 
 class BareMarkerServer:
@@ -181,8 +177,7 @@ class BareMarkerServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self.client() as client:
-            client.send_raw([msgpack.packb({"op": "stop"})])
+        self._process.terminate()
         self._process.join(10)
 
 
