@@ -8,6 +8,7 @@ handler is synchronous: a reset's marker is handed to ZeroMQ before its reply is
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import secrets
@@ -209,6 +210,10 @@ class Service:
             self.settings.cache.block_bytes,
             self.control_endpoint,
         )
+        # Everything built so far lives as long as the daemon: the per-block lists of every
+        # index among it. Out of the collector's reach, a full collection no longer walks them
+        # (a pause that grew with the pool and landed on whichever reset came next).
+        gc.freeze()
         self._notify_ready()
 
     async def main_loop(self) -> None:
