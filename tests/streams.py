@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpubd.client import ControlClient, Received, Subscriber
 from kvpubd.hashing import chain_digests, root_key, tokens_array, wire_hasher
-from kvpubd.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from kvpubd.wire import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 BLOCK_SIZE = 16  # the test daemon's default block_size
 LIVE_SEED = 400_000  # prompt seeds from here on are reserved for go_live's probes
@@ -199,3 +199,46 @@ class Tap:
 
 def seq_key(batch: Received) -> int:
     return batch.seq
+
+
+def concurrent_replays(endpoint: str, clients: int, timeout: float = 20.0) -> list[list[int]]:
+    """``clients`` DEALERs ask one replay socket for everything from seq 0 at once; returns
+    each one's replayed seqs, in arrival order. A request the daemon refused (over its
+    ``max_replays``) gets no answer: after ``timeout`` quiet seconds the unfinished ask again,
+    as a client would."""
+    import zmq
+
+    ctx = zmq.Context()
+    dealers = []
+    try:
+        for _ in range(clients):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoint)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            dealers.append(dealer)
+        poller = zmq.Poller()
+        for dealer in dealers:
+            poller.register(dealer, zmq.POLLIN)
+        seqs: dict[zmq.Socket, list[int]] = {dealer: [] for dealer in dealers}
+        finished: set[zmq.Socket] = set()
+        while len(finished) < len(dealers):
+            ready = dict(poller.poll(int(timeout * 1000)))
+            if not ready:
+                for dealer in set(dealers) - finished:
+                    seqs[dealer] = []
+                    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+                continue
+            for dealer in ready:
+                while dealer.poll(0):
+                    frames = dealer.recv_multipart()
+                    assert dealer not in finished, "a frame after the end marker"
+                    if frames[-2] == END_SEQ:
+                        finished.add(dealer)
+                    else:
+                        seqs[dealer].append(int.from_bytes(frames[-2], "big"))
+        return [seqs[dealer] for dealer in dealers]
+    finally:
+        for dealer in dealers:
+            dealer.close()
+        ctx.term()

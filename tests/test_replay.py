@@ -1,16 +1,14 @@
 """Replays longer than one chunk are streamed across loop turns: complete, in order, end marker
-last, also for many clients at once, and the daemon keeps answering meanwhile."""
+last, also for many clients at once, and the daemon answers control requests after."""
 
 from __future__ import annotations
-
-import zmq
 
 from kvpubd.client import replay
 from kvpubd.config import rank_endpoint
 from kvpubd.publisher import REPLAY_CHUNK
-from kvpubd.wire import END_SEQ
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
+from tests.streams import concurrent_replays
 
 BATCHES = 5 * REPLAY_CHUNK + 17
 
@@ -38,37 +36,9 @@ def test_many_concurrent_replays_all_complete(start_daemon: DaemonFactory) -> No
     daemon = start_daemon(events={"buffer_steps": 2 * BATCHES})
     last = publish_batches(daemon, BATCHES)
     endpoint = rank_endpoint(daemon.replay_endpoint, 0)
-    ctx = zmq.Context()
-    dealers = []
-    try:
-        for _ in range(40):
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(endpoint)
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            dealers.append(dealer)
-        # While 40 replays stream, control requests are still answered.
-        with daemon.client(timeout=10) as client:
-            assert client.ping()["epoch"] == daemon.epoch
-        poller = zmq.Poller()
-        for dealer in dealers:
-            poller.register(dealer, zmq.POLLIN)
-        seqs: dict[zmq.Socket, list[int]] = {dealer: [] for dealer in dealers}
-        finished: set[zmq.Socket] = set()
-        while len(finished) < len(dealers):
-            ready = dict(poller.poll(20_000))
-            assert ready, f"replays stalled: {len(finished)} of {len(dealers)} finished"
-            for dealer in ready:
-                while dealer.poll(0):
-                    frames = dealer.recv_multipart()
-                    assert dealer not in finished, "a frame after the end marker"
-                    if frames[-2] == END_SEQ:
-                        finished.add(dealer)
-                    else:
-                        seqs[dealer].append(int.from_bytes(frames[-2], "big"))
-        for got in seqs.values():
-            assert got == list(range(last + 1))
-    finally:
-        for dealer in dealers:
-            dealer.close()
-        ctx.term()
+    with daemon.client(timeout=10) as client:
+        replays = concurrent_replays(endpoint, 40)
+        # After 40 concurrent replays, control requests are still answered.
+        assert client.ping()["epoch"] == daemon.epoch
+    for got in replays:
+        assert got == list(range(last + 1))

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from kvpubd.client import Mirror, replay
 from kvpubd.config import rank_endpoint
-from kvpubd.wire import END_SEQ, decode_batch
+from kvpubd.wire import decode_batch
 from tests.daemon import Daemon
-from tests.streams import BLOCK_SIZE, prompt
+from tests.streams import BLOCK_SIZE, concurrent_replays, prompt
 
 frames_strategy = st.lists(st.binary(max_size=64), min_size=0, max_size=5)
 
@@ -72,40 +72,7 @@ def test_hundreds_of_concurrent_replay_clients(daemon: Daemon) -> None:
             client.release(f"r{i}")
         last = client.snapshot()["seq"]
     endpoint = rank_endpoint(daemon.replay_endpoint, 0)
-    ctx = zmq.Context()
-    dealers = []
-    try:
-        for _ in range(300):
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(endpoint)
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            dealers.append(dealer)
-        poller = zmq.Poller()
-        for dealer in dealers:
-            poller.register(dealer, zmq.POLLIN)
-        seqs: dict[zmq.Socket, list[int]] = {d: [] for d in dealers}
-        finished: set[zmq.Socket] = set()
-        while len(finished) < len(dealers):
-            ready = dict(poller.poll(20_000))
-            if not ready:
-                # Over max_replays a request gets no answer: ask again, as a client would.
-                for dealer in set(dealers) - finished:
-                    seqs[dealer] = []
-                    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-                continue
-            for dealer in ready:
-                while dealer.poll(0):
-                    frames = dealer.recv_multipart()
-                    if frames[-2] == END_SEQ:
-                        finished.add(dealer)
-                    else:
-                        seqs[dealer].append(int.from_bytes(frames[-2], "big"))
-        for got in seqs.values():
-            assert got[-(last + 1) :] == list(range(last + 1))
-    finally:
-        for dealer in dealers:
-            dealer.close()
-        ctx.term()
+    for got in concurrent_replays(endpoint, 300):
+        assert got[-(last + 1) :] == list(range(last + 1))
     assert daemon.alive()
     check_stream(daemon, endpoint)
