@@ -13,7 +13,6 @@ runs tail-first in least-recently-used order.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
 
 ROOT = -1  # parent of a first block
 
@@ -32,9 +31,6 @@ class RadixIndex:
 
     def __len__(self) -> int:
         return len(self._block_of)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._block_of.values())
 
     @property
     def unpinned(self) -> int:

@@ -20,10 +20,6 @@ class Reaper:
         self._queue: deque[Any] = deque()
         self._wakeup = asyncio.Event()
 
-    @property
-    def pending(self) -> int:
-        return len(self._queue)
-
     def retire(self, *containers: Any) -> None:
         self._queue.extend(containers)
         self._wakeup.set()

@@ -117,6 +117,7 @@ class Rank:
             "dropped_stores": self.sink.dropped_stores,
             "resets": self.resets,
             "replay_requests": self.publisher.replay_requests,
+            "replays_refused": self.publisher.replays_refused,
             "blocks_total": pool.num_blocks,
             "blocks_used": pool.used_count,
             "blocks_free": pool.free_count,
