@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -71,22 +72,28 @@ def parse_replay_message(frames: list[bytes]) -> tuple[int, bytes] | None:
 class _Base:
     """What both forms share: arguments, the tracker, and the read-only views."""
 
+    # The forms differ in these two: plain or asyncio ZeroMQ, sync or async control client.
+    _context_class: Any = zmq.Context
+    _control_class: Any = ControlClient
+
     def __init__(
         self,
         endpoint: str,
-        replay_endpoint: str | None,
+        replay_endpoint: str | None = None,
         *,
-        ranks: int | Sequence[int],
-        topic: str,
-        replay_timeout: float,
-        rcvhwm: int | None,
-        idle_check: float | None,
-        mirror: bool,
-        control: bool,
-        on_batch: Callable[[Received], None] | None,
-        on_gap: Callable[[int, int, int], None] | None,
-        on_resync: Callable[[int, int], None] | None,
-        on_restart: Callable[[int, str], None] | None,
+        control: Any = None,
+        ranks: int | Sequence[int] = 1,
+        topic: str = "",
+        replay_timeout: float = 5.0,
+        control_timeout: float = 5.0,
+        rcvhwm: int | None = None,
+        idle_check: float | None = None,
+        mirror: bool = True,
+        on_batch: Callable[[Received], None] | None = None,
+        on_gap: Callable[[int, int, int], None] | None = None,
+        on_resync: Callable[[int, int], None] | None = None,
+        on_restart: Callable[[int, str], None] | None = None,
+        context: Any = None,
     ) -> None:
         if not replay_timeout > 0:
             raise ValueError(
@@ -107,7 +114,7 @@ class _Base:
         self.tracker = StreamTracker(
             rank_list,
             replay=bool(replay_endpoint),
-            control=control,
+            control=control is not None,
             keep_mirror=mirror,
             callbacks=Callbacks(on_batch, on_gap, on_resync, on_restart),
         )
@@ -115,6 +122,32 @@ class _Base:
         # Applied and not yet returned: survives a call that raised (timeout) midway.
         self._ready: list[Received] = []
         self._closed = False
+        self._own_context = context is None
+        self._context = context or self._context_class()
+        self._own_control = isinstance(control, str)
+        self._control = (
+            self._control_class(control, control_timeout, self._context)
+            if isinstance(control, str)
+            else control
+        )
+        self._subs = {rank: self._open_sub(rank) for rank in self.ranks}
+        self._dealers: dict[int, Any] = {}
+
+    def _open_sub(self, rank: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in [*self._subs.values(), *self._dealers.values()]:
+            sock.close()
+        self._subs.clear()
+        self._dealers.clear()
+        if self._own_control and self._control is not None:
+            self._control.close()
+        if self._own_context:
+            self._context.term()
 
     def _take(self) -> list[Received]:
         out, self._ready = self._ready, []
@@ -174,71 +207,14 @@ class Subscriber(_Base):
     ``catch_up()`` also asks replay for anything published since the last seq; iterating
     yields batches forever. ``counters`` / ``rank_counters(r)`` say what happened, and the
     ``on_*`` callbacks report it as it happens. ``rcvhwm`` sets the SUB sockets' receive
-    high-water mark; ``idle_check`` (seconds) replays a rank that has been silent that long."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None = None,
-        *,
-        control: str | ControlClient | None = None,
-        ranks: int | Sequence[int] = 1,
-        topic: str = "",
-        replay_timeout: float = 5.0,
-        control_timeout: float = 5.0,
-        rcvhwm: int | None = None,
-        idle_check: float | None = None,
-        mirror: bool = True,
-        on_batch: Callable[[Received], None] | None = None,
-        on_gap: Callable[[int, int, int], None] | None = None,
-        on_resync: Callable[[int, int], None] | None = None,
-        on_restart: Callable[[int, str], None] | None = None,
-        context: zmq.Context | None = None,
-    ) -> None:
-        super().__init__(
-            endpoint,
-            replay_endpoint,
-            ranks=ranks,
-            topic=topic,
-            replay_timeout=replay_timeout,
-            rcvhwm=rcvhwm,
-            idle_check=idle_check,
-            mirror=mirror,
-            control=control is not None,
-            on_batch=on_batch,
-            on_gap=on_gap,
-            on_resync=on_resync,
-            on_restart=on_restart,
-        )
-        self._own_context = context is None
-        self._context = context or zmq.Context()
-        self._own_control = isinstance(control, str)
-        self._control = (
-            ControlClient(control, timeout=control_timeout, context=self._context)
-            if isinstance(control, str)
-            else control
-        )
-        self._subs = {rank: self._open_sub(rank) for rank in self.ranks}
-        self._dealers: dict[int, zmq.Socket] = {}
+    high-water mark; ``idle_check`` (seconds) replays a rank that has been silent that long.
+    ``control`` (an endpoint or a ControlClient) enables the epoch check and snapshot resync."""
 
     def __enter__(self) -> Subscriber:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for sock in [*self._subs.values(), *self._dealers.values()]:
-            sock.close()
-        self._subs.clear()
-        self._dealers.clear()
-        if self._own_control and self._control is not None:
-            self._control.close()
-        if self._own_context:
-            self._context.term()
 
     def catch_up(self) -> list[Received]:
         """Replay every rank from its last seq (from 0 at first) and apply what comes."""
@@ -338,69 +314,14 @@ class AsyncSubscriber(_Base):
     are coroutines and ``async for`` yields batches forever. ``control`` is an endpoint or an
     object with a coroutine ``call(op, **fields)`` (like ``AsyncControlClient``)."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None = None,
-        *,
-        control: str | AsyncControlClient | None = None,
-        ranks: int | Sequence[int] = 1,
-        topic: str = "",
-        replay_timeout: float = 5.0,
-        control_timeout: float = 5.0,
-        rcvhwm: int | None = None,
-        idle_check: float | None = None,
-        mirror: bool = True,
-        on_batch: Callable[[Received], None] | None = None,
-        on_gap: Callable[[int, int, int], None] | None = None,
-        on_resync: Callable[[int, int], None] | None = None,
-        on_restart: Callable[[int, str], None] | None = None,
-        context: zmq.asyncio.Context | None = None,
-    ) -> None:
-        super().__init__(
-            endpoint,
-            replay_endpoint,
-            ranks=ranks,
-            topic=topic,
-            replay_timeout=replay_timeout,
-            rcvhwm=rcvhwm,
-            idle_check=idle_check,
-            mirror=mirror,
-            control=control is not None,
-            on_batch=on_batch,
-            on_gap=on_gap,
-            on_resync=on_resync,
-            on_restart=on_restart,
-        )
-        self._own_context = context is None
-        self._context = context or zmq.asyncio.Context()
-        self._own_control = isinstance(control, str)
-        self._control = (
-            AsyncControlClient(control, control_timeout, self._context)
-            if isinstance(control, str)
-            else control
-        )
-        self._subs = {rank: self._open_sub(rank) for rank in self.ranks}
-        self._dealers: dict[int, zmq.asyncio.Socket] = {}
+    _context_class = zmq.asyncio.Context
+    _control_class = AsyncControlClient
 
     async def __aenter__(self) -> AsyncSubscriber:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for sock in [*self._subs.values(), *self._dealers.values()]:
-            sock.close()
-        self._subs.clear()
-        self._dealers.clear()
-        if self._own_control and self._control is not None:
-            self._control.close()
-        if self._own_context:
-            self._context.term()
 
     async def catch_up(self) -> list[Received]:
         self.tracker.catch_up()
