@@ -1,1 +1,1 @@
-../kvpubd/_kernels/block_ops.cu
+../kvpubd/daemon/_kernels/block_ops.cu

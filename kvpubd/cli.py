@@ -13,9 +13,9 @@ import typer
 
 from kvpubd import __version__
 from kvpubd.client import ControlClient, ControlError, ControlTimeout
-from kvpubd.config import ConfigError, default_control_endpoint, load_settings
-from kvpubd.subscriber import Subscriber, SubscriberError
-from kvpubd.wire import BlockRemoved, BlockStored, Event
+from kvpubd.client.subscriber import Subscriber, SubscriberError
+from kvpubd.protocol.config import ConfigError, default_control_endpoint, load_settings
+from kvpubd.protocol.wire import BlockRemoved, BlockStored, Event
 
 app = typer.Typer(
     help="kvpubd: a KV-cache sidecar that publishes cache events over ZeroMQ, resets at once.",
@@ -75,7 +75,7 @@ def _call(
     curve: tuple[Path, Path] | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
-    from kvpubd.auth import AuthError
+    from kvpubd.protocol.auth import AuthError
 
     try:
         client = ControlClient(control or default_control_endpoint(), timeout, curve=curve)
@@ -103,9 +103,9 @@ def serve(
     """Run the daemon until SIGTERM or SIGINT."""
     import zmq
 
-    from kvpubd.auth import check_curve_settings
-    from kvpubd.pool import check_device
-    from kvpubd.service import StartupError, run
+    from kvpubd.daemon.pool import check_device
+    from kvpubd.daemon.service import StartupError, run
+    from kvpubd.protocol.auth import check_curve_settings
 
     try:
         settings = load_settings(config)
@@ -141,7 +141,7 @@ def keys(
     """Write a CURVE certificate pair (public NAME.key, owner-only NAME.key_secret) for
     control.curve_secret_key (the daemon) or --curve-key (a client); put clients' NAME.key
     files in the daemon's control.curve_authorized_keys directory."""
-    from kvpubd.auth import create_keys
+    from kvpubd.protocol.auth import create_keys
 
     public, secret = create_keys(directory, name)
     typer.echo(f"public: {public}\nsecret: {secret}")
@@ -313,7 +313,7 @@ def demo(
     rate: Annotated[float, typer.Option(help="Requests per second of the load.")] = 200.0,
 ) -> None:
     """Run a daemon, a load and a subscriber here on CPU, live, with a reset; then summarize."""
-    from kvpubd.demo import run_demo
+    from kvpubd.tools.demo import run_demo
 
     if not 2 <= duration <= 3600:
         raise _fail(f"--duration: {duration} is not between 2 and 3600 seconds", code=2)
@@ -338,7 +338,7 @@ def loadgen(
     timeout: TimeoutOption = 5.0,
 ) -> None:
     """Drive a running daemon with a shared-prefix workload: store, hold, release."""
-    from kvpubd.loadgen import LoadGenerator, Workload, parse_mix
+    from kvpubd.tools.loadgen import LoadGenerator, Workload, parse_mix
 
     try:
         mix = parse_mix(prompt_mix)
@@ -371,7 +371,7 @@ def loadgen(
 
 
 def _add_bench() -> None:
-    from kvpubd.bench import bench_app
+    from kvpubd.tools.bench import bench_app
 
     app.add_typer(bench_app, name="bench")
 

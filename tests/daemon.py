@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpubd.launcher import DaemonProcess, toml_value, write_config
+from kvpubd.tools.launcher import DaemonProcess, toml_value, write_config
 
 __all__ = ["Daemon", "toml_value", "wait_for", "write_config"]
 

@@ -1,4 +1,4 @@
-"""Helpers for tests of ``kvpubd.subscriber``: both subscriber forms behind one blocking
+"""Helpers for tests of ``kvpubd.client.subscriber``: both subscriber forms behind one blocking
 interface, a recorder for the callbacks, a load generator thread, and the check that a
 subscriber's mirror is exactly the daemon's ``snapshot``. Every wait polls with a deadline."""
 
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpubd.client import ControlClient, ControlError, Mirror, Received
-from kvpubd.subscriber import AsyncSubscriber, Subscriber
-from kvpubd.wire import BlockHash, BlockStored, event_from_wire
+from kvpubd.client.subscriber import AsyncSubscriber, Subscriber
+from kvpubd.protocol.wire import BlockHash, BlockStored, event_from_wire
 from tests.daemon import Daemon
 
 BLOCK_SIZE = 16

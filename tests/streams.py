@@ -14,8 +14,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvpubd.client import ControlClient, Received, Subscriber
-from kvpubd.hashing import chain_digests, root_key, tokens_array, wire_hasher
-from kvpubd.wire import END_SEQ, AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from kvpubd.protocol.hashing import chain_digests, root_key, tokens_array, wire_hasher
+from kvpubd.protocol.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 
 BLOCK_SIZE = 16  # the test daemon's default block_size
 LIVE_SEED = 400_000  # prompt seeds from here on are reserved for go_live's probes
@@ -48,7 +55,7 @@ def reference_chain(
     tokens: list[int], lora_id: int | None = None, salt: str | None = None
 ) -> list[int]:
     """The u64 wire hashes of the full blocks of ``tokens``, computed from DESIGN.md's chain
-    with hashlib and struct alone (independent of kvpubd.hashing but for the root key)."""
+    with hashlib and struct alone (independent of kvpubd.protocol.hashing but for the root key)."""
     prev = root_key(lora_id, salt)
     out = []
     for i in range(len(tokens) // BLOCK_SIZE):

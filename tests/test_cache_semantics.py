@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, event_from_wire
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, event_from_wire
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 from tests.streams import reference_chain

@@ -1,7 +1,7 @@
 """The per-tick capture cap is per periodic tick: out-of-tick flushes don't refill it."""
 
 from kvpubd.client import Mirror
-from kvpubd.wire import BlockStored
+from kvpubd.protocol.wire import BlockStored
 from tests.conftest import DaemonFactory
 from tests.streams import BLOCK_SIZE, Tap, prompt
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvpubd import __version__
 from kvpubd.client import Received
-from kvpubd.wire import AllBlocksCleared, BlockStored, event_from_wire
+from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, event_from_wire
 from tests.daemon import Daemon
 from tests.streams import chain_hashes
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvpubd.config import ConfigError, Settings, load_settings, rank_endpoint
+from kvpubd.protocol.config import ConfigError, Settings, load_settings, rank_endpoint
 from tests.daemon import Daemon, write_config
 
 if sys.version_info >= (3, 11):

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import ControlClient, ControlError, Mirror, Subscriber
-from kvpubd.wire import BlockStored, event_from_wire
+from kvpubd.protocol.wire import BlockStored, event_from_wire
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import chain_hashes

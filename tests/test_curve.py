@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from kvpubd.auth import create_keys
 from kvpubd.client import ControlClient, ControlTimeout
+from kvpubd.protocol.auth import create_keys
 from tests.daemon import Daemon
 from tests.streams import prompt
 

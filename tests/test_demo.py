@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpubd.loadgen import DEFAULT_MIX, KINDS, Workload, parse_mix
+from kvpubd.tools.loadgen import DEFAULT_MIX, KINDS, Workload, parse_mix
 from tests.daemon import Daemon
 
 

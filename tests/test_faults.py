@@ -16,7 +16,7 @@ import time
 import pytest
 
 from kvpubd.client import ControlError
-from kvpubd.wire import BlockStored
+from kvpubd.protocol.wire import BlockStored
 from tests.conftest import DaemonFactory
 from tests.mirrors import (
     FORMS,

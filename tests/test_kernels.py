@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpubd.kernels import (
+from kvpubd.daemon.kernels import (
     GOLDEN,
     SIZE_SALT,
     KernelSet,
@@ -399,7 +399,7 @@ def test_gpu_tuning_knobs_do_not_change_results(
 def test_bench_table_renders() -> None:
     from rich.console import Console
 
-    from kvpubd.bench_kernels import format_table
+    from kvpubd.tools.bench_kernels import format_table
 
     row = {
         "block_bytes": 65536,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from kvpubd.launcher import free_tcp_ports
+from kvpubd.tools.launcher import free_tcp_ports
 from tests.daemon import Daemon
 from tests.streams import prompt
 

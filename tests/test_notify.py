@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from kvpubd.client import replay
-from kvpubd.config import rank_endpoint
-from kvpubd.notify import Notifier, watchdog_interval
-from kvpubd.wire import AllBlocksCleared, decode_batch
+from kvpubd.daemon.notify import Notifier, watchdog_interval
+from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
 from tests.daemon import Daemon
 
 WATCHDOG_USEC = 100_000  # pings every 50 ms
@@ -166,7 +166,7 @@ def test_notifier_survives_a_missing_listener(
 ) -> None:
     """Nobody listens: sending fails, is logged once, and never raises."""
     notifier = Notifier(str(tmp_path / "nobody"))
-    with caplog.at_level(logging.WARNING, logger="kvpubd.notify"):
+    with caplog.at_level(logging.WARNING, logger="kvpubd.daemon.notify"):
         assert not notifier.watchdog()
         assert not notifier.watchdog()
     assert len([r for r in caplog.records if "cannot notify" in r.message]) == 1

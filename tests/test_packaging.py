@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpubd.config import Settings, load_settings, tcp_port
+from kvpubd.protocol.config import Settings, load_settings, tcp_port
 from tests.daemon import Daemon
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,7 +212,7 @@ def test_the_build_stage_builds_a_wheel_from_the_copied_files(tmp_path: Path) ->
     assert result.returncode == 0, result.stdout + result.stderr
     (wheel,) = (tmp_path / "wheels").glob("kvpubd-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"kvpubd/service.py", "kvpubd/_kernels/block_ops.cu"} <= names
+    assert {"kvpubd/daemon/service.py", "kvpubd/daemon/_kernels/block_ops.cu"} <= names
 
 
 def test_the_cli_reads_the_control_endpoint_the_service_sets(daemon: Daemon) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvpubd.client import ControlError, map_pool
-from kvpubd.kernels import gpu_available, numpy_checksum
+from kvpubd.daemon.kernels import gpu_available, numpy_checksum
 from tests.conftest import DaemonFactory
 from tests.daemon import wait_for
 from tests.streams import prompt

@@ -4,8 +4,8 @@ last, also for many clients at once, and the daemon answers control requests aft
 from __future__ import annotations
 
 from kvpubd.client import replay
-from kvpubd.config import rank_endpoint
-from kvpubd.publisher import REPLAY_CHUNK
+from kvpubd.daemon.publisher import REPLAY_CHUNK
+from kvpubd.protocol.config import rank_endpoint
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import concurrent_replays

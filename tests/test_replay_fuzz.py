@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import Mirror, replay
-from kvpubd.config import rank_endpoint
-from kvpubd.wire import decode_batch
+from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.wire import decode_batch
 from tests.daemon import Daemon
 from tests.streams import BLOCK_SIZE, concurrent_replays, prompt
 

@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from kvpubd.client import ControlClient, ControlError, Mirror, Received
-from kvpubd.config import rank_endpoint
-from kvpubd.wire import (
+from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.wire import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,

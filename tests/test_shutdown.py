@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpubd.client import Mirror, Received, Subscriber
-from kvpubd.wire import BlockStored
+from kvpubd.protocol.wire import BlockStored
 from tests.daemon import Daemon
 from tests.streams import chain_hashes
 

@@ -1,6 +1,6 @@
 """The daemon starts, answers ping, publishes its startup marker, and stops cleanly."""
 
-from kvpubd.wire import AllBlocksCleared
+from kvpubd.protocol.wire import AllBlocksCleared
 from tests.daemon import Daemon
 
 

@@ -1,5 +1,5 @@
-"""``kvpubd.subscriber``: the pure ``StreamTracker`` fed with hand-made messages (each rule on
-its own), then both subscriber forms and ``kvpubd subscribe`` against a real daemon. The
+"""The subscriber: the pure ``StreamTracker`` fed with hand-made messages (each rule on its
+own), then both subscriber forms and ``kvpubd subscribe`` against a real daemon. The
 faults (stalls, lost history, kill -9, SIGTERM, soak) are in test_faults.py."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvpubd.client import Received
-from kvpubd.subscriber import AsyncSubscriber, Subscriber, parse_replay_message
-from kvpubd.tracker import (
+from kvpubd.client.subscriber import AsyncSubscriber, Subscriber, parse_replay_message
+from kvpubd.client.tracker import (
     Ping,
     Reconnect,
     Replay,
@@ -24,7 +24,7 @@ from kvpubd.tracker import (
     StreamTracker,
     SubscriberError,
 )
-from kvpubd.wire import (
+from kvpubd.protocol.wire import (
     END_SEQ,
     AllBlocksCleared,
     BatchEncoder,

@@ -3,7 +3,7 @@
 The decoders below are msgspec structs written from vLLM's own field lists: vLLM 0.33's tagged
 maps (``wire_format = "map"``) and vLLM 0.23's tagged arrays (``wire_format = "array"``). They
 are strict: a missing required field, an unknown key or a wrong type fails the decode.
-kvpubd.wire is deliberately not used for decoding anywhere in this file.
+kvpubd.protocol.wire is deliberately not used for decoding anywhere in this file.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_from_wire
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_from_wire
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import reference_chain

@@ -23,7 +23,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from kvpubd import __version__
-from kvpubd.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ HTTP_TIMEOUT_S = 10.0  # a client that sends no complete request in this time is
 
 
 class RankLike(Protocol):
-    """What the collector reads of a rank (kvpubd.service.Rank)."""
+    """What the collector reads of a rank (kvpubd.daemon.service.Rank)."""
 
     rank: int
 

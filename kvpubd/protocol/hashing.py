@@ -14,7 +14,7 @@ from typing import Literal
 import msgpack
 import numpy as np
 
-from kvpubd.wire import BlockHash
+from kvpubd.protocol.wire import BlockHash
 
 HashFormat = Literal["u64", "i64", "bytes"]
 TOKEN_DTYPE = np.dtype("<u4")

@@ -1,13 +1,10 @@
-"""Clients of a running daemon: ``ControlClient`` / ``AsyncControlClient`` for the control
-socket, ``Subscriber`` / ``AsyncSubscriber`` for the event stream (``kvpubd.subscriber``,
-re-exported here), ``replay()``, ``Mirror`` (a cache view rebuilt from published events alone)
-and ``map_pool``."""
+"""Control clients of a running daemon: ``ControlClient`` (blocking) and
+``AsyncControlClient`` (asyncio), over a DEALER socket."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +13,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from kvpubd.config import default_control_endpoint
-from kvpubd.wire import (
-    END_SEQ,
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    EventBatch,
-    unpack_seq,
-)
+from kvpubd.protocol.config import default_control_endpoint
 
 
 class ControlError(Exception):
@@ -57,7 +44,7 @@ def _dealer(context: zmq.Context, endpoint: str, curve: tuple[Path, Path] | None
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if curve is not None:
-        from kvpubd.auth import apply_curve_client
+        from kvpubd.protocol.auth import apply_curve_client
 
         apply_curve_client(sock, *curve)
     sock.connect(endpoint)
@@ -214,172 +201,3 @@ class AsyncControlClient(_Ops):
 
     async def _call_for(self, key: str, op: str, **fields: Any) -> Any:
         return (await self.call(op, **fields))[key]
-
-
-class MappedPool:
-    """The daemon's block pool mapped into this process: ``array`` is ``[num_blocks,
-    block_bytes]`` uint8, a NumPy array over shared memory or a CuPy array over a CUDA IPC
-    mapping. Close it before the daemon stops."""
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        shape = tuple(info["shape"])
-        self.info = info
-        self._shm: Any = None
-        self._ipc_ptr: int | None = None
-        if info["kind"] == "shm":
-            from multiprocessing import resource_tracker, shared_memory
-
-            self._shm = shared_memory.SharedMemory(name=info["name"])
-            # Before Python 3.13 attaching registers the segment with this process's resource
-            # tracker, which would unlink the daemon's segment when we exit.
-            resource_tracker.unregister(self._shm._name, "shared_memory")
-            self.array: Any = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
-        elif info["kind"] == "cuda_ipc":
-            import cupy
-
-            self._device = int(info["device"])
-            with cupy.cuda.Device(self._device):
-                self._ipc_ptr = cupy.cuda.runtime.ipcOpenMemHandle(
-                    info["handle"], cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
-                )
-                size = shape[0] * shape[1]
-                memory = cupy.cuda.UnownedMemory(self._ipc_ptr + info.get("offset", 0), size, self)
-                pointer = cupy.cuda.MemoryPointer(memory, 0)
-                self.array = cupy.ndarray(shape, dtype=cupy.uint8, memptr=pointer)
-        else:
-            raise ValueError(f"unknown pool kind {info['kind']!r}")
-
-    def __enter__(self) -> MappedPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.array = None
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-        if self._ipc_ptr is not None:
-            import cupy
-
-            with cupy.cuda.Device(self._device):
-                cupy.cuda.runtime.deviceSynchronize()
-                cupy.cuda.runtime.ipcCloseMemHandle(self._ipc_ptr)
-            self._ipc_ptr = None
-
-
-def map_pool(control: ControlClient, rank: int = 0) -> MappedPool:
-    """Map rank ``rank``'s block pool of the daemon behind ``control`` into this process."""
-    return MappedPool(control.pool_info(rank))
-
-
-@dataclass(slots=True)
-class Received:
-    """One batch as a subscriber sees it."""
-
-    rank: int
-    seq: int
-    batch: EventBatch
-    payload: bytes
-    replayed: bool
-
-
-def replay(
-    endpoint: str, start_seq: int, *, timeout: float = 5.0, context: zmq.Context | None = None
-) -> list[tuple[int, bytes]]:
-    """Ask a replay socket for every retained batch from ``start_seq``: [(seq, payload)]."""
-    ctx = context or zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        batches: list[tuple[int, bytes]] = []
-        while True:
-            if not sock.poll(int(timeout * 1000)):
-                raise TimeoutError(f"replay from {endpoint} did not finish")
-            frames = sock.recv_multipart()
-            # [b"", topic, seq, payload] (v026) or [b"", seq, payload] (legacy)
-            seq_frame, payload = frames[-2], frames[-1]
-            if seq_frame == END_SEQ:
-                return batches
-            batches.append((unpack_seq(seq_frame), payload))
-    finally:
-        sock.close()
-
-
-class MirrorError(AssertionError):
-    """The published stream broke an invariant routers rely on."""
-
-
-@dataclass
-class Mirror:
-    """The cache as a router sees it, built only from published events. Applying an event
-    that breaks DESIGN.md's invariants raises MirrorError."""
-
-    block_size: int | None = None
-    blocks: dict[BlockHash, BlockStored] = field(default_factory=dict)
-
-    def apply(self, events: list[Event]) -> None:
-        for event in events:
-            if isinstance(event, AllBlocksCleared):
-                self.blocks.clear()
-            elif isinstance(event, BlockStored):
-                self._store(event)
-            elif isinstance(event, BlockRemoved):
-                for block_hash in event.block_hashes:
-                    if block_hash not in self.blocks:
-                        raise MirrorError(f"BlockRemoved names unknown block {block_hash!r}")
-                    del self.blocks[block_hash]
-
-    def _store(self, event: BlockStored) -> None:
-        size = event.block_size
-        if self.block_size is not None and size != self.block_size:
-            raise MirrorError(f"block_size {size} != {self.block_size}")
-        if len(event.token_ids) != len(event.block_hashes) * size:
-            raise MirrorError("token_ids length is not blocks x block_size")
-        parent = event.parent_block_hash
-        if parent is not None and parent not in self.blocks:
-            raise MirrorError(f"BlockStored parent {parent!r} is not live")
-        for i, block_hash in enumerate(event.block_hashes):
-            if block_hash in self.blocks:
-                raise MirrorError(f"BlockStored repeats live block {block_hash!r}")
-            self.blocks[block_hash] = BlockStored(
-                [block_hash],
-                parent,
-                event.token_ids[i * size : (i + 1) * size],
-                size,
-                event.lora_id,
-                event.medium,
-                event.lora_name,
-            )
-            parent = block_hash
-
-
-# The subscribers build on the pieces above.
-from kvpubd.subscriber import (  # noqa: E402
-    AsyncSubscriber,
-    Counters,
-    Subscriber,
-    SubscriberError,
-    SubscriberTimeout,
-)
-
-__all__ = [
-    "AsyncControlClient",
-    "AsyncSubscriber",
-    "ControlClient",
-    "ControlError",
-    "ControlTimeout",
-    "Counters",
-    "MappedPool",
-    "Mirror",
-    "MirrorError",
-    "Received",
-    "Subscriber",
-    "SubscriberError",
-    "SubscriberTimeout",
-    "map_pool",
-    "replay",
-]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpubd import kernels
+from kvpubd.daemon import kernels
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class BlockPool:
             self._dirty = []
 
     def checksum(self, block_ids: list[int]) -> list[int]:
-        """Per-block 64-bit checksums (``kvpubd.kernels``), after any pending scrub."""
+        """Per-block 64-bit checksums (``kvpubd.daemon.kernels``), after any pending scrub."""
         raise NotImplementedError
 
     def info(self) -> dict[str, Any]:

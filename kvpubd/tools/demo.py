@@ -33,8 +33,8 @@ from kvpubd.client import (
     Received,
     Subscriber,
 )
-from kvpubd.launcher import DaemonProcess
-from kvpubd.loadgen import DEFAULT_MIX, LoadGenerator, LoadStats, Workload, parse_mix
+from kvpubd.tools.launcher import DaemonProcess
+from kvpubd.tools.loadgen import DEFAULT_MIX, LoadGenerator, LoadStats, Workload, parse_mix
 
 # Small buffers make a stalled subscriber lose batches quickly (then replay repairs them);
 # a fast tick publishes about one batch per request.

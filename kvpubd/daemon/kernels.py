@@ -2,9 +2,9 @@
 
 The pool is a 2-D ``uint8`` array ``[num_blocks, block_bytes]``; ``block_bytes`` is any positive
 integer (not necessarily a multiple of 16). On the GPU the kernels come from
-``kvpubd/_kernels/block_ops.cu`` (``kernels/block_ops.cu`` at the top of the repository is a link
-to it), compiled at run time by ``cupy.RawModule``. CuPy is imported lazily: this module imports
-and its NumPy twins run where CuPy or a GPU is absent (CI).
+``kvpubd/daemon/_kernels/block_ops.cu`` (``kernels/block_ops.cu`` at the top of the
+repository links to it), compiled at run time by ``cupy.RawModule``. CuPy is imported lazily:
+this module imports and its NumPy twins run where CuPy or a GPU is absent (CI).
 
 Operations
 ----------
@@ -88,7 +88,7 @@ STREAMING = False
 WARPS_PER_CTA = 8
 THREADS_PER_CTA = 32 * WARPS_PER_CTA
 
-_KERNEL_PACKAGE = "kvpubd"
+_KERNEL_PACKAGE = "kvpubd.daemon"
 _KERNEL_FILE = "_kernels/block_ops.cu"
 _KERNEL_NAMES = ("kv_scrub", "kv_copy", "kv_checksum_partial", "kv_checksum_final")
 

@@ -79,7 +79,7 @@ def apply_curve_client(sock: zmq.Socket, secret_file: Path, server_public_file: 
 
 def check_curve_settings(control: Any) -> None:
     """Raise ConfigError naming the key when CURVE is configured with unusable files."""
-    from kvpubd.config import ConfigError
+    from kvpubd.protocol.config import ConfigError
 
     if not control.curve_secret_key:
         return

@@ -1,6 +1,6 @@
 """Subscribers that keep a mirror of one or more ranks' published cache: ``Subscriber``
 (blocking) and ``AsyncSubscriber`` (asyncio). Both are I/O shells around one
-``kvpubd.tracker.StreamTracker``, which decides everything: they read the SUB sockets, feed
+``kvpubd.client.tracker.StreamTracker``, which decides everything: they read the SUB sockets, feed
 the tracker, and carry out what it asks for (replay through a DEALER, control ``ping`` and
 ``snapshot``, reconnecting a SUB socket) until it asks for nothing more.
 
@@ -22,17 +22,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvpubd.client import (
-    AsyncControlClient,
-    ControlClient,
-    Mirror,
-    Received,
-)
-from kvpubd.config import rank_endpoint
-from kvpubd.tracker import (
+from kvpubd.client.control import AsyncControlClient, ControlClient
+from kvpubd.client.mirror import Mirror
+from kvpubd.client.tracker import (
     Callbacks,
     Counters,
     Ping,
+    Received,
     Reconnect,
     Replay,
     Request,
@@ -40,7 +36,8 @@ from kvpubd.tracker import (
     StreamTracker,
     SubscriberError,
 )
-from kvpubd.wire import END_SEQ, pack_seq, unpack_seq
+from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.wire import END_SEQ, pack_seq, unpack_seq
 
 __all__ = [
     "AsyncSubscriber",
@@ -48,6 +45,7 @@ __all__ = [
     "Subscriber",
     "SubscriberError",
     "SubscriberTimeout",
+    "replay",
 ]
 
 # Live messages read per rank per receive() call before the other ranks get a turn.
@@ -67,6 +65,30 @@ def parse_replay_message(frames: list[bytes]) -> tuple[int, bytes] | None:
     if seq_frame == END_SEQ:
         return None
     return unpack_seq(seq_frame), payload
+
+
+def replay(
+    endpoint: str, start_seq: int, *, timeout: float = 5.0, context: zmq.Context | None = None
+) -> list[tuple[int, bytes]]:
+    """Ask a replay socket for every retained batch from ``start_seq``: [(seq, payload)]."""
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        batches: list[tuple[int, bytes]] = []
+        while True:
+            if not sock.poll(int(timeout * 1000)):
+                raise TimeoutError(f"replay from {endpoint} did not finish")
+            frames = sock.recv_multipart()
+            # [b"", topic, seq, payload] (v026) or [b"", seq, payload] (legacy)
+            seq_frame, payload = frames[-2], frames[-1]
+            if seq_frame == END_SEQ:
+                return batches
+            batches.append((unpack_seq(seq_frame), payload))
+    finally:
+        sock.close()
 
 
 class _Base:

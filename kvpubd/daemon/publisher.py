@@ -15,7 +15,7 @@ from pathlib import Path
 
 import zmq
 
-from kvpubd.wire import END_SEQ, MAX_SEQ, BatchEncoder, Event, WireFormat, pack_seq
+from kvpubd.protocol.wire import END_SEQ, MAX_SEQ, BatchEncoder, Event, WireFormat, pack_seq
 
 log = logging.getLogger(__name__)
 

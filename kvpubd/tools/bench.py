@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvpubd.launcher import DaemonProcess
+from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
     help="Measure a real daemon (started here, on loopback).", no_args_is_help=True
@@ -158,7 +158,7 @@ class BareMarkerServer:
     def __init__(self) -> None:
         import multiprocessing
 
-        from kvpubd.launcher import free_tcp_ports
+        from kvpubd.tools.launcher import free_tcp_ports
 
         control, events = free_tcp_ports(2)
         self.control_endpoint = f"tcp://127.0.0.1:{control}"
@@ -330,8 +330,8 @@ def bench_kernels(
 ) -> None:
     """GB/s of the GPU scrub, copy and checksum kernels beside CuPy's own operations and the
     device's measured bandwidth (needs CuPy and a GPU)."""
-    from kvpubd import bench_kernels as kb
-    from kvpubd.kernels import gpu_available
+    from kvpubd.daemon.kernels import gpu_available
+    from kvpubd.tools import bench_kernels as kb
 
     if not gpu_available():
         err.print("kvpubd: bench kernels needs CuPy and a CUDA GPU")
@@ -373,7 +373,7 @@ def measure_index(blocks: int, chain: int, rounds: int) -> dict[str, Any]:
     stores (match + insert), lookups (match) and evictions at that size."""
     from hashlib import sha256
 
-    from kvpubd.radix import ROOT, RadixIndex
+    from kvpubd.daemon.radix import ROOT, RadixIndex
 
     gc.collect()
     before = _rss_bytes()
@@ -458,7 +458,7 @@ def bench_index(
 
 def _publisher_batches(count: int, events_per_batch: int, seed: int = 0) -> list[list[Any]]:
     """Realistic batches: 80 % BlockStored of 1-32 blocks of 16 tokens, 20 % BlockRemoved."""
-    from kvpubd.wire import BlockRemoved, BlockStored
+    from kvpubd.protocol.wire import BlockRemoved, BlockStored
 
     rng = np.random.default_rng(seed)
     batches = []
@@ -485,12 +485,12 @@ def _publisher_batches(count: int, events_per_batch: int, seed: int = 0) -> list
 
 
 def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[str, Any]:
-    """kvpubd.publisher.Publisher.publish(events) against the floor: msgpack-encoding the same
-    events (pre-converted to their wire form) and sending them on a bare PUB."""
+    """``Publisher.publish(events)`` against the floor: msgpack-encoding the same events
+    (pre-converted to their wire form) and sending them on a bare PUB."""
     import tempfile
 
-    from kvpubd.publisher import Publisher
-    from kvpubd.wire import event_to_wire, pack_seq
+    from kvpubd.daemon.publisher import Publisher
+    from kvpubd.protocol.wire import event_to_wire, pack_seq
 
     data = _publisher_batches(batches, events_per_batch)
     wire = [[event_to_wire(e, "map") for e in batch] for batch in data]

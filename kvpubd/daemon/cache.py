@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpubd.config import CacheConfig
-from kvpubd.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
-from kvpubd.pool import create_pool
-from kvpubd.radix import ROOT, RadixIndex
-from kvpubd.sink import EventSink
-from kvpubd.wire import BlockStored
+from kvpubd.daemon.pool import create_pool
+from kvpubd.daemon.radix import ROOT, RadixIndex
+from kvpubd.daemon.sink import EventSink
+from kvpubd.protocol.config import CacheConfig
+from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
+from kvpubd.protocol.wire import BlockStored
 
 RequestId = str | int
 

@@ -1,7 +1,7 @@
 """The decisions of a subscriber, without any I/O: ``StreamTracker`` takes what arrived (live
 messages, replay replies, snapshots, pings) and says what to deliver and what to ask for next.
 
-The sync and asyncio subscribers (``kvpubd.subscriber``) are thin shells around it: they read
+The sync and asyncio subscribers (``kvpubd.client.subscriber``) are thin shells around it: they read
 sockets, feed the tracker, and carry out ``next_request()`` until it returns None.
 
 Per rank it keeps a ``Mirror`` of the published cache and the last seq applied. The rules:
@@ -25,11 +25,29 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvpubd.client import Mirror, MirrorError, Received
-from kvpubd.wire import END_SEQ, AllBlocksCleared, decode_batch, event_from_wire, unpack_seq
+from kvpubd.client.mirror import Mirror, MirrorError
+from kvpubd.protocol.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    EventBatch,
+    decode_batch,
+    event_from_wire,
+    unpack_seq,
+)
 
 # Payload fingerprints kept per rank, to tell a duplicate from another run's batch.
 FINGERPRINT_WINDOW = 4096
+
+
+@dataclass(slots=True)
+class Received:
+    """One batch as a subscriber sees it."""
+
+    rank: int
+    seq: int
+    batch: EventBatch
+    payload: bytes
+    replayed: bool
 
 
 class SubscriberError(RuntimeError):

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvpubd.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 
 class EventSink:

@@ -22,10 +22,15 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvpubd import __version__
-from kvpubd.auth import CurveServer
-from kvpubd.cache import CacheError, RankCache
-from kvpubd.config import Settings, rank_endpoint
-from kvpubd.control import (
+from kvpubd.daemon.cache import CacheError, RankCache
+from kvpubd.daemon.notify import Notifier, watchdog_interval
+from kvpubd.daemon.pool import pool_segment_name
+from kvpubd.daemon.publisher import Publisher
+from kvpubd.daemon.reaper import Reaper
+from kvpubd.daemon.sink import EventSink
+from kvpubd.protocol.auth import CurveServer
+from kvpubd.protocol.config import Settings, rank_endpoint
+from kvpubd.protocol.control import (
     Checksum,
     Ping,
     PoolInfo,
@@ -40,16 +45,11 @@ from kvpubd.control import (
     ok_reply,
     parse_request,
 )
-from kvpubd.hashing import token_count, tokens_array
-from kvpubd.notify import Notifier, watchdog_interval
-from kvpubd.pool import pool_segment_name
-from kvpubd.publisher import Publisher
-from kvpubd.reaper import Reaper
-from kvpubd.sink import EventSink
-from kvpubd.wire import event_to_wire
+from kvpubd.protocol.hashing import token_count, tokens_array
+from kvpubd.protocol.wire import event_to_wire
 
 if TYPE_CHECKING:
-    from kvpubd.metrics import Metrics
+    from kvpubd.daemon.metrics import Metrics
 
 log = logging.getLogger("kvpubd")
 
@@ -517,7 +517,7 @@ class StartupError(RuntimeError):
 
 
 def _create_metrics(service: Service) -> Metrics:
-    from kvpubd.metrics import Metrics  # prometheus-client only where metrics are on
+    from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
 
     return Metrics(lambda: service.ranks, lambda: service.paused)
 

@@ -23,7 +23,7 @@ import numpy as np
 from rich.markup import escape
 from rich.table import Table
 
-from kvpubd.kernels import (
+from kvpubd.daemon.kernels import (
     TILE_BYTES,
     UNROLL,
     KernelSet,
@@ -38,7 +38,7 @@ DEFAULT_BLOCK_BYTES = (65536, 2 << 20)
 
 
 def _cupy() -> Any:
-    from kvpubd.kernels import _import_cupy
+    from kvpubd.daemon.kernels import _import_cupy
 
     return _import_cupy()
 

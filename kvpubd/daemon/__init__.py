@@ -1,0 +1,6 @@
+"""The daemon, in the order data flows through it: the control server (``control_server``)
+hands parsed requests to ``service``, which owns one rank pipeline (``pipeline``) per
+data-parallel rank; a pipeline owns the rank's cache (``cache``: block ``pool`` + ``radix``
+index), its event ``sink`` and its ``publisher`` (PUB, replay ROUTER, ring of sent batches).
+``metrics``, ``notify`` (systemd) and ``reaper`` serve the lifecycle. It never imports the
+client library or the tools."""
