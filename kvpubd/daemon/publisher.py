@@ -2,6 +2,9 @@
 
 Usable as a library: ``Publisher(...).publish(events)`` encodes, numbers and sends one batch
 and returns its seq; ``handle_replay()`` answers whatever replay requests are waiting.
+
+Seqs start at ``first_seq`` (see ``seq_origin``) and grow by one per batch. ``heartbeat()``
+publishes an empty batch when nothing went out for ``heartbeat_ms``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,18 @@ log = logging.getLogger(__name__)
 REPLAY_MAX_MESSAGE_BYTES = 256  # a replay request is 8 bytes; anything far larger is abuse
 REPLAY_CHUNK = 256  # batches one replay sends per turn of the loop
 ZERO_COPY_BYTES = 65536  # pyzmq's own threshold: below it a copy is cheaper than tracking
+
+
+def seq_origin(mode: str) -> int:
+    """The first seq of a run. "clock": the wall clock in microseconds, so every run's seqs lie
+    above the last run's (a run would have to average a million batches a second to overtake
+    the clock) and a restart looks like a forward jump to consumers that keep the last seq they
+    applied. "zero": every run starts again at 0."""
+    if mode == "zero":
+        return 0
+    if mode == "clock":
+        return time.time_ns() // 1000
+    raise ValueError(f"seq origin {mode!r}: use 'clock' or 'zero'")
 
 
 @dataclass(slots=True)
@@ -45,12 +60,19 @@ class Publisher:
         replay_framing: str = "v026",
         linger_ms: int = 2000,
         max_replays: int = 64,
+        first_seq: int = 0,
+        heartbeat_ms: int = 0,
     ) -> None:
+        if not 0 <= first_seq <= MAX_SEQ:
+            raise ValueError(f"first_seq: {first_seq} is not a seq (0..{MAX_SEQ})")
         self.rank = rank
         self.topic = topic.encode()
         self.legacy_replay = replay_framing == "legacy"
         self._encoder = BatchEncoder(wire_format, rank)
-        self._next_seq = 0
+        self.first_seq = first_seq
+        self._next_seq = first_seq
+        self.heartbeat_s = heartbeat_ms / 1000
+        self._last_sent = time.monotonic()
         # (seq frame, payload) of the last buffer_steps batches, oldest first.
         self._ring: deque[tuple[bytes, bytes]] = deque(maxlen=buffer_steps)
         self.batches = 0
@@ -81,7 +103,7 @@ class Publisher:
 
     @property
     def last_seq(self) -> int:
-        """The seq of the last batch sent, -1 before the first."""
+        """The seq of the last batch sent, ``first_seq - 1`` before the first."""
         return self._next_seq - 1
 
     def publish(self, events: list[Event], ts: float | None = None) -> int:
@@ -95,9 +117,19 @@ class Publisher:
         self._ring.append((seq_frame, payload))
         # PUB never blocks: at the HWM ZeroMQ drops for that subscriber, and replay repairs it.
         self.pub.send_multipart((self.topic, seq_frame, payload))
+        self._last_sent = time.monotonic()
         self.batches += 1
         self.events += len(events)
         return seq
+
+    def heartbeat(self) -> int | None:
+        """Publish an empty batch ``[ts, [], rank]`` if nothing went out for the heartbeat
+        interval; returns its seq, or None. An ordinary batch (numbered, kept for replay): a
+        consumer that missed the last batch sees the gap, and one that joined an idle daemon
+        hears of it, within one interval."""
+        if not self.heartbeat_s or time.monotonic() - self._last_sent < self.heartbeat_s:
+            return None
+        return self.publish([])
 
     def handle_replay(self, budget: int = 4 * REPLAY_CHUNK) -> bool:
         """Take waiting replay requests and send up to ``budget`` batches of the replays in
