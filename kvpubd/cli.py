@@ -112,7 +112,7 @@ def serve(
     import zmq
 
     from kvpubd.daemon.pool import check_device
-    from kvpubd.daemon.service import StartupError, run
+    from kvpubd.daemon.service import StartupError, TaskFailed, run
     from kvpubd.protocol.auth import check_curve_settings
     from kvpubd.protocol.vllm_config import load_kv_events_config
 
@@ -141,6 +141,8 @@ def serve(
         run(settings)
     except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use
         raise _fail(f"cannot start: {exc}", code=1) from None
+    except TaskFailed as exc:
+        raise _fail(f"stopped: {exc}", code=1) from None
 
 
 @app.command()

@@ -139,14 +139,13 @@ class RankCache:
             self.pool.free([lease.tail_block])
         return len(lease.blocks) + (lease.tail_block is not None)
 
-    def reset(self) -> tuple[object, ...]:
-        """Drop every block and request and capture the marker, in O(1). Returns the old
-        structures: freeing them costs O(blocks), so the caller drops them after its reply."""
+    def clear(self) -> tuple[object, ...]:
+        """Drop every block and open request in O(1). Returns the old containers: freeing
+        them costs O(blocks), so the caller hands them to the reaper."""
         old_leases, self.leases = self.leases, {}
         old_index = self.index.clear()
         self.pool.free_all()
-        old_published = self.sink.cleared()
-        return (old_leases, *old_index, old_published)
+        return (old_leases, *old_index)
 
     def snapshot(self) -> list[BlockStored]:
         """The published blocks as one-block stores, parents before children."""
