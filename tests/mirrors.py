@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpubd.client import ControlClient, ControlError, Mirror, Received
 from kvpubd.client.subscriber import AsyncSubscriber, Subscriber
-from kvpubd.protocol.wire import BlockHash, BlockStored, event_from_wire
+from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockStored, event_from_wire
 from tests.daemon import Daemon
 
 BLOCK_SIZE = 16
@@ -69,6 +69,13 @@ class Record:
 
     def seqs(self, rank: int = 0) -> list[int]:
         return [b.seq for b in self.batches[rank]]
+
+    def run_seqs(self, rank: int = 0, last: int | None = None) -> list[int]:
+        """Every seq of the run from its first batch, the start-up marker (a run's seqs start
+        at its origin, not at 0), to ``last`` (default: the last one delivered)."""
+        batches = self.batches[rank]
+        assert batches and isinstance(batches[0].batch.events[0], AllBlocksCleared)
+        return list(range(batches[0].seq, (batches[-1].seq if last is None else last) + 1))
 
 
 def subscriber(

@@ -76,7 +76,7 @@ class Probe:
         self.client = daemon.client()
         self.sub = daemon.subscriber()
         self.mirror = Mirror(block_size=BS)
-        self.next_seq = 0
+        self.next_seq: int = self.client.stats()["ranks"][0]["first_seq"]
         self.sync()
 
     def __enter__(self) -> Probe:

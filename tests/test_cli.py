@@ -107,7 +107,7 @@ def test_stats_prints_json_with_rank_seq(daemon: Daemon) -> None:
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)
     assert stats["epoch"] == daemon.epoch
-    assert stats["ranks"][0]["seq"] == seq == 1
+    assert stats["ranks"][0]["seq"] == seq == stats["ranks"][0]["first_seq"] + 1
     assert stats["ranks"][0]["requests_open"] == 1
 
 
@@ -178,7 +178,8 @@ def test_subscribe_json_count(daemon: Daemon) -> None:
         for i in range(3):
             client.store(f"c{i}", [i + 1] * BLOCK_SIZE)
         last = client.snapshot()["seq"]
-    assert last >= 1
+        first_seq = client.stats()["ranks"][0]["first_seq"]
+    assert last >= first_seq + 1
     result = kvpubd(
         "subscribe",
         "--endpoint",
@@ -194,7 +195,7 @@ def test_subscribe_json_count(daemon: Daemon) -> None:
     assert len(lines) == 2
     for line in lines:
         assert line["rank"] == 0 and isinstance(line["seq"], int) and "type" in line
-    assert lines[0]["seq"] == 0 and lines[0]["type"] == "AllBlocksCleared"
+    assert lines[0]["seq"] == first_seq and lines[0]["type"] == "AllBlocksCleared"
     assert lines[1]["type"] == "BlockStored"
 
 
@@ -226,8 +227,9 @@ def test_subscribe_sees_live_stores(daemon: Daemon) -> None:
     try:
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())  # the subscriber is up and caught up
-        assert first == {"rank": 0, "seq": 0, "type": "AllBlocksCleared"}
         with daemon.client() as client:
+            first_seq = client.stats()["ranks"][0]["first_seq"]
+            assert first == {"rank": 0, "seq": first_seq, "type": "AllBlocksCleared"}
             for i, tokens in enumerate(prompts):
                 client.store(f"live-{i}", tokens)
             snapshot = client.snapshot()

@@ -220,10 +220,12 @@ def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch
             sock.connect(endpoints[0]["replay"])
             sock.send_multipart([b"", (0).to_bytes(8, "big")])
             assert sock.poll(10_000), "no replay reply"
-            frames = sock.recv_multipart()  # seq 0, the start-up marker
+            frames = sock.recv_multipart()  # the start-up marker, the run's first seq
+            with daemon.client() as client:
+                first_seq = client.stats()["ranks"][0]["first_seq"]
         finally:
             sock.close()
-        assert frames[1] == b"env-topic" and frames[2] == bytes(8)
+        assert frames[1] == b"env-topic" and frames[2] == first_seq.to_bytes(8, "big")
     finally:
         daemon.cleanup()
 

@@ -100,7 +100,8 @@ class Probe:
         self.client: ControlClient = daemon.client(timeout=REPLY_TIMEOUT)
         self.sub: Subscriber = daemon.subscriber(replay_timeout=REPLY_TIMEOUT)
         self.mirror = Mirror(block_size=BLOCK_SIZE)
-        self.last_seq = -1
+        # The first batch is the run's start-up marker, at the run's seq origin.
+        self.last_seq: int = self.client.stats()["ranks"][0]["first_seq"] - 1
         self._prompts = itertools.count(1)
         self._apply(self.sub.catch_up())
 

@@ -74,7 +74,8 @@ class Workload:
         self.client = daemon.client()
         self.sub = daemon.subscriber()
         self.total: int = daemon.settings["cache"]["num_blocks"]
-        self.next_seq = 0  # the next seq the stream must deliver (gap-free)
+        # The next seq the stream must deliver (gap-free from the run's first).
+        self.next_seq: int = self.client.stats()["ranks"][0]["first_seq"]
         self.ahead: list[Received] = []
         self.markers: set[int] = set()
         self.tokens = itertools.count(1_000_000, BS)  # unique blocks for floods

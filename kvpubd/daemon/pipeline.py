@@ -147,6 +147,7 @@ class RankPipeline:
         publisher = self.publisher
         return {
             "rank": self.rank,
+            "first_seq": publisher.first_seq,
             "seq": publisher.last_seq,
             "batches": publisher.batches,
             "events_published": publisher.events,
