@@ -79,7 +79,7 @@ def dead_endpoint() -> Iterator[str]:
 
 HELP: dict[str, list[str]] = {
     "": ["serve", "reset", "stats", "ping", "subscribe"],
-    "serve": ["--config", "--log-level"],
+    "serve": ["--config", "--log-level", "--kv-events-config"],
     "reset": ["--control", "--rank", "--force", "--timeout"],
     "stats": ["--control", "--timeout"],
     "ping": ["--control", "--timeout"],

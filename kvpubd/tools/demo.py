@@ -55,10 +55,13 @@ class Seen:
     events: dict[str, int] = field(
         default_factory=lambda: {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
     )
+    first_seq: int | None = None  # a run's seqs start at its origin, not at 0
     last_seq: int = -1
 
     def add(self, batch: Received) -> None:
         self.batches += 1
+        if self.first_seq is None:
+            self.first_seq = batch.seq
         self.last_seq = batch.seq
         for event in batch.batch.events:
             name = type(event).__name__
@@ -262,7 +265,9 @@ class Demo:
             f"{events['BlockRemoved']} BlockRemoved, {events['AllBlocksCleared']} "
             f"AllBlocksCleared (start + reset)",
         )
-        table.add_row("batches", f"{self.seen.batches}, seqs 0..{self.seen.last_seq}")
+        table.add_row(
+            "batches", f"{self.seen.batches}, seqs {self.seen.first_seq}..{self.seen.last_seq}"
+        )
         table.add_row(
             "gaps repaired",
             f"{counters.gaps} gap(s), {counters.replayed} batches through replay "
