@@ -4,15 +4,20 @@ everything about one rank lives in its pipeline."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
+
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
+from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.snapshot import Snapshot as SnapshotData
 from kvpubd.protocol.config import Settings
 from kvpubd.protocol.control import (
     Checksum,
@@ -30,7 +35,6 @@ from kvpubd.protocol.control import (
     ok_reply,
 )
 from kvpubd.protocol.hashing import token_count, tokens_array
-from kvpubd.protocol.wire import event_to_wire
 
 log = logging.getLogger("kvpubd")
 
@@ -56,15 +60,17 @@ class Operations:
             Reset: self.reset,
             Pause: self.pause,
             Resume: self.pause,
-            Snapshot: self.snapshot,
             PoolInfo: self.pool_info,
             Checksum: self.checksum,
         }
 
-    def handle(self, request: Request) -> bytes:
-        """The reply to one parsed request; a refusal or a bug is answered, never raised."""
+    def handle(self, request: Request) -> Reply:
+        """The reply to one parsed request; a refusal or a bug is answered, never raised.
+        A snapshot is answered later, through a future."""
         error_code: str | None = None
         try:
+            if isinstance(request, Snapshot):
+                return self.snapshot(request)
             return ok_reply(request.id, **self._ops[type(request)](request))
         except CacheError as exc:
             error_code = exc.code
@@ -156,16 +162,23 @@ class Operations:
         )
         return {"markers": markers}
 
-    def snapshot(self, request: Snapshot) -> dict[str, Any]:
+    def snapshot(self, request: Snapshot) -> asyncio.Future[bytes]:
+        """Answered once the rank's snapshot job is done (it never holds the loop)."""
         pipeline = self._pipeline(request.rank)
-        seq, events = pipeline.snapshot()
-        wire_format = self.settings.events.wire_format
-        return {
-            "rank": pipeline.rank,
-            "seq": seq,
-            "epoch": self.epoch,
-            "events": [event_to_wire(e, wire_format) for e in events],
-        }
+        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        def answer(job: asyncio.Future[SnapshotData]) -> None:
+            if reply.done():
+                return
+            if job.cancelled() or job.exception() is not None:
+                error = "snapshot cancelled" if job.cancelled() else repr(job.exception())
+                reply.set_result(error_reply(request.id, "internal", error))
+                return
+            snapshot = job.result()
+            reply.set_result(snapshot_reply(request.id, pipeline.rank, self.epoch, snapshot))
+
+        pipeline.snapshot().result.add_done_callback(answer)
+        return reply
 
     def pool_info(self, request: PoolInfo) -> dict[str, Any]:
         pipeline = self._pipeline(request.rank)
@@ -174,3 +187,14 @@ class Operations:
     def checksum(self, request: Checksum) -> dict[str, Any]:
         pipeline = self._pipeline(request.rank)
         return {"rank": pipeline.rank, "checksums": pipeline.checksum(request.block_ids)}
+
+
+def snapshot_reply(request_id: Any, rank: int, epoch: int, snapshot: SnapshotData) -> bytes:
+    """``ok_reply`` of a snapshot, with its already encoded events spliced in."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = {"ok": True, "id": request_id, "rank": rank, "seq": snapshot.seq, "epoch": epoch}
+    parts = [packer.pack_map_header(len(head) + 1)]
+    for key, value in head.items():
+        parts += (packer.pack(key), packer.pack(value))
+    parts += (packer.pack("events"), packer.pack_array_header(snapshot.count), snapshot.body)
+    return b"".join(parts)

@@ -23,7 +23,6 @@ from kvpubd.daemon.hooks import MetricsHooks, NullMetrics
 from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.daemon.operations import Operations
 from kvpubd.daemon.pipeline import RankPipeline
-from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.protocol.config import Settings
 
@@ -49,7 +48,6 @@ class Service:
         self.control: ControlServer | None = None
         self._exit = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._readers: list[int] = []
         self._failure: BaseException | None = None
         self._failure_task = ""
         # Frees cleared indexes piecemeal: one deallocation per block must not delay a marker.
@@ -98,7 +96,6 @@ class Service:
             self.pipelines.append(
                 RankPipeline(rank, self.settings, self._context, self.metrics, self._reaper)
             )
-        loop = asyncio.get_running_loop()
         for pipeline in self.pipelines:
             pipeline.start()
             publisher = pipeline.publisher
@@ -108,12 +105,7 @@ class Service:
                 publisher.endpoint,
                 publisher.replay_endpoint or "(off)",
             )
-            if publisher.replay is not None:
-                fd = publisher.replay.getsockopt(zmq.FD)
-                pump = _replay_pump(publisher)
-                loop.add_reader(fd, pump)
-                self._readers.append(fd)
-                loop.call_soon(pump)  # anything that arrived before the reader existed
+            publisher.start()
         self.control.start()
         await self._start_metrics()
         self._spawn(self._drain_loop(), "drain loop")
@@ -138,10 +130,8 @@ class Service:
     async def shutdown(self) -> None:
         """Stop everything that started; each step runs even if an earlier one failed."""
         self._notifier.stopping("stopping")
-        loop = asyncio.get_running_loop()
-        for fd in self._readers:
-            loop.remove_reader(fd)
-        self._readers = []
+        for pipeline in self.pipelines:
+            pipeline.publisher.stop()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -223,9 +213,10 @@ class Service:
         interval = self.settings.events.tick_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
-            if not self.operations.paused:
-                for pipeline in self.pipelines:
+            for pipeline in self.pipelines:
+                if not self.operations.paused:
                     pipeline.flush(new_tick=True)
+                pipeline.compact()
 
 
 def _attempt(what: str, step: Callable[[], Any]) -> Any:
@@ -241,18 +232,6 @@ def _create_metrics(service: Service) -> MetricsHooks:
     from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
 
     return Metrics(lambda: service.pipelines, lambda: service.paused)
-
-
-def _replay_pump(publisher: Publisher) -> Callable[[], None]:
-    """Reader callback for a replay socket: serve replays a chunk at a time, coming back on a
-    later loop turn while any remain, so resets and ticks never wait behind a long replay."""
-    loop = asyncio.get_running_loop()
-
-    def pump() -> None:
-        if publisher.handle_replay():
-            loop.call_soon(pump)
-
-    return pump
 
 
 def run(settings: Settings) -> None:
