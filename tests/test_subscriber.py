@@ -351,9 +351,10 @@ def test_live_batches_already_replayed_are_duplicates(daemon: Daemon) -> None:
 
 @pytest.mark.parametrize("form", FORMS)
 def test_connect_after_history_is_gone_resyncs(start_daemon: DaemonFactory, form: str) -> None:
-    """When the replay buffer no longer holds seq 0, the first replay starts above it: the
-    subscriber loads the snapshot instead, and follows live from there."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    """When the replay buffer no longer holds seq 0 (and replay sends no snapshot batch), the
+    first replay starts above it: the subscriber loads the snapshot instead, and follows live
+    from there."""
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     record = Record()
     with daemon.client() as client:
         for _ in range(10):
@@ -364,6 +365,31 @@ def test_connect_after_history_is_gone_resyncs(start_daemon: DaemonFactory, form
             assert sub.catch_up() == []
             assert record.resyncs == [(0, client.snapshot()["seq"])]
             assert sub.rank_counters(0).lost == 0
+            store_released(client, unique_prompt(2))
+            assert_mirror_is_snapshot(sub, client, [0])
+        finally:
+            sub.close()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_connect_after_history_is_gone_replays_the_snapshot_batch(
+    start_daemon: DaemonFactory, form: str
+) -> None:
+    """By default the replay itself answers with the whole state: one batch at the last seq,
+    the marker then every cached block, parents first; no control snapshot is needed."""
+    daemon = start_daemon(events={"buffer_steps": 4})
+    record = Record()
+    with daemon.client() as client:
+        for _ in range(10):
+            store_released(client, unique_prompt(2))
+            last = client.snapshot()["seq"]
+        sub = subscriber(form, daemon, record, control=None)
+        try:
+            (batch,) = sub.catch_up()
+            assert batch.seq == last and batch.replayed
+            assert isinstance(batch.batch.events[0], AllBlocksCleared)
+            assert record.resyncs == [] and sub.rank_counters(0).lost == 0
+            assert_mirror_is_snapshot(sub, client, [0])
             store_released(client, unique_prompt(2))
             assert_mirror_is_snapshot(sub, client, [0])
         finally:
@@ -455,8 +481,9 @@ def history_beyond_the_buffer(daemon: Daemon) -> int:
 
 def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFactory) -> None:
     """`subscribe --control` against a daemon whose history is gone reports the resync on
-    stderr, then prints what follows the snapshot's seq."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    stderr, then prints what follows the snapshot's seq (a daemon whose replay does not answer
+    with a snapshot batch)."""
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     last = history_beyond_the_buffer(daemon)
     proc = subprocess.Popen(
         [
@@ -497,13 +524,29 @@ def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFact
 
 def test_cli_subscribe_without_control_reports_the_loss(start_daemon: DaemonFactory) -> None:
     """Without --control the same hole is reported as lost, and the retained batches print."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     last = history_beyond_the_buffer(daemon)
     result = cli_subscribe(daemon, "--count", "4")
     assert result.returncode == 0, result.stderr
     assert f"{last + 1 - 4} batch(es) lost" in result.stderr, result.stderr
     printed = [json.loads(x)["seq"] for x in result.stdout.splitlines()]
     assert printed == list(range(last - 3, last + 1))
+
+
+def test_cli_subscribe_late_join_prints_the_whole_cache(start_daemon: DaemonFactory) -> None:
+    """Joining after the buffer wrapped, without --control: the replay's snapshot batch (seq
+    of the last batch) prints the marker and every cached block; nothing is reported lost."""
+    daemon = start_daemon(events={"buffer_steps": 4})
+    last = history_beyond_the_buffer(daemon)
+    with daemon.client() as client:
+        cached = len(snapshot_blocks(client.snapshot()))
+    result = cli_subscribe(daemon, "--count", str(1 + cached))
+    assert result.returncode == 0, result.stderr
+    assert "lost" not in result.stderr, result.stderr
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    assert {line["seq"] for line in lines} == {last}
+    assert lines[0]["type"] == "AllBlocksCleared"
+    assert all(line["type"] == "BlockStored" for line in lines[1:])
 
 
 def test_cli_subscribe_help_names_control() -> None:

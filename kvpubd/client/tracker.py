@@ -10,9 +10,11 @@ Per rank it keeps a ``Mirror`` of the published cache and the last seq applied. 
   from the one applied at that seq, which means another daemon run is talking (a restart);
 - a higher seq is a gap: the missing seqs are replayed from ``last + 1`` (with a control
   endpoint, a ping first checks the daemon's epoch);
-- a replay that starts above the seq asked for means the history is gone: the rank is
-  resynchronised from the control ``snapshot`` (without control, the hole is counted as lost
-  and the mirror waits for the next ``AllBlocksCleared``, which makes it exact again);
+- a replay that starts above the seq asked for with a batch opening with ``AllBlocksCleared``
+  (how the daemon answers for history it no longer holds: the whole state at that seq) is
+  applied as it is; one that starts above it otherwise means the history is gone: the rank
+  is resynchronised from the control ``snapshot`` (without control, the hole is counted as
+  lost and the mirror waits for the next ``AllBlocksCleared``, which makes it exact again);
 - live seqs of one daemon run only grow, so a live seq at or below the last live seq, a new
   epoch, or a replay that ends before a seq already received live is a restart: the rank's
   state is dropped, its SUB socket is reconnected (dropping the old run's queued messages) and
@@ -34,6 +36,16 @@ from kvpubd.protocol.wire import (
     event_from_wire,
     unpack_seq,
 )
+
+
+def opens_with_marker(payload: bytes) -> bool:
+    """Whether a batch's first event is AllBlocksCleared (False for an undecodable one)."""
+    try:
+        events = decode_batch(payload).events
+    except ValueError:
+        return False
+    return bool(events) and isinstance(events[0], AllBlocksCleared)
+
 
 # Payload fingerprints kept per rank, to tell a duplicate from another run's batch.
 FINGERPRINT_WINDOW = 4096
@@ -268,9 +280,16 @@ class StreamTracker:
             elif seq == stream.next_seq:
                 out.extend(self._apply(stream, seq, payload, replayed=True))
             else:
-                self._history_gone(stream, stream.next_seq, seq)
+                # A batch that opens with AllBlocksCleared rebuilds the whole state (the
+                # daemon answers a replay of lost history so): nothing is missing then.
+                rebuilds = opens_with_marker(payload)
+                if not rebuilds:
+                    self._history_gone(stream, stream.next_seq, seq)
                 if not stream.need_snapshot:
-                    out.extend(self._apply(stream, seq, payload, replayed=True))
+                    # Its seq was also sent live with another payload: no fingerprint for it.
+                    out.extend(
+                        self._apply(stream, seq, payload, replayed=True, fingerprint=not rebuilds)
+                    )
         out.extend(self._settle_trigger(stream))
         return out
 
@@ -375,7 +394,12 @@ class StreamTracker:
         stream.gap_counted = False
 
     def _apply(
-        self, stream: RankStream, seq: int, payload: bytes, replayed: bool
+        self,
+        stream: RankStream,
+        seq: int,
+        payload: bytes,
+        replayed: bool,
+        fingerprint: bool = True,
     ) -> list[Received]:
         try:
             batch = decode_batch(payload)
@@ -386,7 +410,8 @@ class StreamTracker:
                 stream.last = seq
             return []
         stream.last = seq
-        stream.remember(seq, payload)
+        if fingerprint:
+            stream.remember(seq, payload)
         events = batch.events
         if not stream.synced:
             markers = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]

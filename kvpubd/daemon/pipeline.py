@@ -70,7 +70,8 @@ class RankPipeline:
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
         # Replays of history the ring no longer holds start from a snapshot batch.
-        self.publisher.lost_history = self.snapshot
+        if events.replay_snapshot:
+            self.publisher.lost_history = self.snapshot
 
     # -- publishing ---------------------------------------------------------------------------
 

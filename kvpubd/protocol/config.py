@@ -59,6 +59,9 @@ class EventsConfig(_Section):
     flush_on_reset: bool = True
     # Replays streamed at once per rank; more requests get no answer and are retried.
     max_replays: int = Field(64, ge=1, le=10_000)
+    # A replay from before the oldest retained batch starts with one batch holding
+    # AllBlocksCleared and the whole cache; off: it gets only what the ring holds.
+    replay_snapshot: bool = True
 
     @field_validator("endpoint")
     @classmethod
