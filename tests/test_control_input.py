@@ -23,7 +23,11 @@ from tests.streams import chain_hashes
 MAX_MESSAGE_BYTES = 4096
 MAX_TOKENS = 64
 BLOCK_SIZE = 16
-LIMITS = {"max_message_bytes": MAX_MESSAGE_BYTES, "max_tokens_per_request": MAX_TOKENS}
+LIMITS = {
+    "max_message_bytes": MAX_MESSAGE_BYTES,
+    "max_tokens_per_request": MAX_TOKENS,
+    "max_blocks_per_store": 3,
+}
 ERROR_CODES = {
     "bad_request",
     "unknown_op",
@@ -247,6 +251,30 @@ BAD_MAPS: dict[str, tuple[dict[Any, Any], set[str]]] = {
     "store extra field": (store(bogus=1), {"bad_request"}),
     "store too many tokens": (
         store(token_ids=list(range(MAX_TOKENS + 1))),
+        {"too_large"},
+    ),
+    "store lora_name 257 chars": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "lora_name": "x" * 257},
+        {"bad_request"},
+    ),
+    "store cache_salt 1025 chars": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "cache_salt": "s" * 1025},
+        {"bad_request"},
+    ),
+    "store request_id 257 chars": (
+        {"op": "store", "request_id": "r" * 257, "token_ids": [1] * 16},
+        {"bad_request"},
+    ),
+    "store request_id 2^63": (
+        {"op": "store", "request_id": 1 << 63, "token_ids": [1] * 16},
+        {"bad_request"},
+    ),
+    "store lora_id 2^64-1": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "lora_id": (1 << 64) - 1},
+        {"bad_request"},
+    ),
+    "store over max_blocks_per_store": (
+        {"op": "store", "request_id": "n", "token_ids": b"\x01\x00\x00\x00" * MAX_TOKENS},
         {"too_large"},
     ),
     "release request_id float": ({"op": "release", "request_id": 1.5}, {"bad_request"}),

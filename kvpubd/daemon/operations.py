@@ -122,6 +122,14 @@ class Operations:
         count = token_count(request.token_ids)
         if count > limit:
             raise CacheError("too_large", f"token_ids: {count} tokens; the limit is {limit}")
+        blocks = count // self.settings.cache.block_size
+        block_limit = self.settings.control.max_blocks_per_store
+        if blocks > block_limit:
+            raise CacheError(
+                "too_large",
+                f"token_ids: {blocks} full blocks; the limit is {block_limit} "
+                "(control.max_blocks_per_store)",
+            )
         # Request ids are unique across ranks (release names no rank).
         if any(p.has_request(request.request_id) for p in self.pipelines):
             raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
