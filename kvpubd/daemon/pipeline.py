@@ -16,7 +16,7 @@ from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pool import pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
-from kvpubd.daemon.publisher import Publisher
+from kvpubd.daemon.publisher import Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
@@ -53,6 +53,8 @@ class RankPipeline:
             hwm=events.hwm,
             replay_framing=events.replay_framing,
             linger_ms=settings.service.linger_ms,
+            first_seq=seq_origin(events.seq_origin),
+            heartbeat_ms=events.heartbeat_ms,
         )
         self.sink = EventSink(
             block_size=settings.cache.block_size,
@@ -76,7 +78,8 @@ class RankPipeline:
     # -- publishing ---------------------------------------------------------------------------
 
     def start(self) -> int | None:
-        """Publish the startup marker: subscribers forget what an earlier run published."""
+        """Publish the startup marker, the run's first seq: subscribers forget what an earlier
+        run published (and see a forward jump in seq, with the clock origin)."""
         self.sink.cleared()
         return self.flush()
 

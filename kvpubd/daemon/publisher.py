@@ -2,6 +2,9 @@
 
 Usable as a library: ``Publisher(...).publish(events)`` encodes, numbers and sends one batch
 and returns its seq; ``handle_replay()`` answers whatever replay requests are waiting.
+
+Seqs start at ``first_seq`` (see ``seq_origin``) and grow by one per batch. ``heartbeat()``
+publishes an empty batch when nothing went out for ``heartbeat_ms``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ REPLAY_SLICE_S = 0.0005  # replay work per loop turn
 ZERO_COPY_BYTES = 65536  # pyzmq's own threshold: below it a copy is cheaper than tracking
 
 
+def seq_origin(mode: str) -> int:
+    """The first seq of a run. "clock": the wall clock in microseconds, so every run's seqs lie
+    above the last run's (a run would have to average a million batches a second to overtake
+    the clock) and a restart looks like a forward jump to consumers that keep the last seq they
+    applied. "zero": every run starts again at 0."""
+    if mode == "zero":
+        return 0
+    if mode == "clock":
+        return time.time_ns() // 1000
+    raise ValueError(f"seq origin {mode!r}: use 'clock' or 'zero'")
+
+
 @dataclass(slots=True)
 class _Replay:
     identity: bytes
@@ -61,14 +76,20 @@ class Publisher:
         replay_framing: str = "v026",
         linger_ms: int = 2000,
         max_replays: int = 64,
+        first_seq: int = 0,
+        heartbeat_ms: int = 0,
     ) -> None:
+        if not 0 <= first_seq <= MAX_SEQ:
+            raise ValueError(f"first_seq: {first_seq} is not a seq (0..{MAX_SEQ})")
         self.rank = rank
         self.topic = topic.encode()
         self.legacy_replay = replay_framing == "legacy"
         self.wire_format = wire_format
         self._encoder = BatchEncoder(wire_format, rank)
-        self._origin = 0  # the seq of this run's first batch
-        self._next_seq = self._origin
+        self.first_seq = first_seq
+        self._next_seq = first_seq
+        self.heartbeat_s = heartbeat_ms / 1000
+        self._last_sent = time.monotonic()
         # (seq frame, payload) of the last buffer_steps batches, oldest first.
         self._ring: deque[tuple[bytes, bytes]] = deque(maxlen=buffer_steps)
         self.batches = 0
@@ -106,7 +127,7 @@ class Publisher:
 
     @property
     def last_seq(self) -> int:
-        """The seq of the last batch sent, -1 before the first."""
+        """The seq of the last batch sent, ``first_seq - 1`` before the first."""
         return self._next_seq - 1
 
     def publish(self, events: list[Event], ts: float | None = None) -> int:
@@ -120,9 +141,19 @@ class Publisher:
         self._ring.append((seq_frame, payload))
         # PUB never blocks: at the HWM ZeroMQ drops for that subscriber, and replay repairs it.
         self.pub.send_multipart((self.topic, seq_frame, payload))
+        self._last_sent = time.monotonic()
         self.batches += 1
         self.events += len(events)
         return seq
+
+    def heartbeat(self) -> int | None:
+        """Publish an empty batch ``[ts, [], rank]`` if nothing went out for the heartbeat
+        interval; returns its seq, or None. An ordinary batch (numbered, kept for replay): a
+        consumer that missed the last batch sees the gap, and one that joined an idle daemon
+        hears of it, within one interval."""
+        if not self.heartbeat_s or time.monotonic() - self._last_sent < self.heartbeat_s:
+            return None
+        return self.publish([])
 
     def start(self) -> None:
         """Serve replay requests from the running loop (a reader on the ROUTER's FD)."""
@@ -190,7 +221,7 @@ class Publisher:
         """Park a replay whose start the ring no longer holds until a snapshot batch of the
         current state is ready; False when the ring has what it asks for."""
         first = self._next_seq - len(self._ring)
-        if replay.next_seq >= first or first == self._origin or self.lost_history is None:
+        if replay.next_seq >= first or first == self.first_seq or self.lost_history is None:
             return False
         job = self.lost_history()
         replay.snapshot = job.result

@@ -213,9 +213,12 @@ class Service:
         interval = self.settings.events.tick_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
+            paused = self.operations.paused
             for pipeline in self.pipelines:
-                if not self.operations.paused:
+                if not paused:
                     pipeline.flush(new_tick=True)
+                # Also while paused: the daemon is alive, and a consumer learns the last seq.
+                pipeline.publisher.heartbeat()
                 pipeline.compact()
 
 
