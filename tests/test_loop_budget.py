@@ -184,7 +184,7 @@ def test_maximal_store_and_a_concurrent_reset_are_both_answered(
     limit = 1_000_000
     daemon = start_daemon(
         cache={**TINY, "num_blocks": limit // BLOCK_SIZE + 1024},
-        control={"max_tokens_per_request": limit},
+        control={"max_tokens_per_request": limit, "max_blocks_per_store": limit // BLOCK_SIZE},
     )
     tokens = np.random.default_rng(0).integers(0, 1 << 31, size=limit, dtype=np.uint32)
     with daemon.client(timeout=BOUND_S) as client, daemon.subscriber() as sub:

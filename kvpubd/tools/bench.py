@@ -336,10 +336,13 @@ def measure_under(
 ) -> dict[str, Any]:
     """Reset -> marker at each size on an idle daemon, then on the same daemon while
     ``load_name`` runs in other processes against its rank 1 (or its ports)."""
+    from kvpubd.protocol.config import ControlConfig
     from kvpubd.tools.bench_load import Load, LoadSpec
     from kvpubd.tools.launcher import free_tcp_ports
 
-    store_tokens = 1_000_000  # the largest store the daemon allows by default
+    # The largest store the daemon allows by default (block_size 16).
+    limits = ControlConfig()
+    store_tokens = min(limits.max_tokens_per_request, limits.max_blocks_per_store * 16)
     load_blocks = {"snapshot": snapshot_blocks, "big-store": 2 * store_tokens // 16}
     num_blocks = max([*sizes, load_blocks.get(load_name, 0), 1024]) + 1024
     overrides: dict[str, dict[str, Any]] = {
@@ -347,7 +350,6 @@ def measure_under(
         # Rank 0 is reset and measured; rank 1 carries the load's cache.
         "events": {"buffer_steps": 1000},
         "service": {"log_level": "warning"},
-        "control": {"max_tokens_per_request": store_tokens},
     }
     overrides["cache"]["data_parallel_size"] = 2
     results: dict[str, Any] = {"under": load_name, "sizes": {}}
