@@ -155,8 +155,8 @@ def test_history_gone_is_rebuilt_by_the_replay_snapshot_batch(
     start_daemon: DaemonFactory, control: bool
 ) -> None:
     """The daemon answers a replay of history it no longer holds with one batch: the marker
-    and the whole cache. With or without a control endpoint the subscriber loses nothing,
-    needs no control snapshot, and its mirror equals the snapshot."""
+    and the whole cache. With or without a control endpoint the subscriber loses nothing and
+    its mirror equals the snapshot."""
     daemon = start_daemon(events={**SMALL_QUEUES, "buffer_steps": 4}, cache={"num_blocks": 4096})
     sub = subscriber("sync", daemon, control=daemon.control_endpoint if control else None, rcvhwm=2)
     try:
@@ -169,7 +169,8 @@ def test_history_gone_is_rebuilt_by_the_replay_snapshot_batch(
     finally:
         sub.close()
     assert counters.gaps >= 1  # the stall did lose batches at the PUB
-    assert (counters.lost, counters.resyncs, counters.restarts, counters.violations) == (0, 0, 0, 0)
+    assert counters.resyncs >= 1  # the mirror was replaced by the replay's snapshot batch
+    assert (counters.lost, counters.restarts, counters.violations) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("form", FORMS)
