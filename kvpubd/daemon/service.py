@@ -22,14 +22,23 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvpubd import __version__
+from kvpubd.daemon import logs, resources
 from kvpubd.daemon.cache import CacheError, RankCache
+from kvpubd.daemon.endpoint_lock import (
+    EndpointInUse,
+    EndpointLock,
+    ipc_path,
+    lock_path,
+    make_parents,
+    remove_dirs,
+)
 from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.daemon.pool import pool_segment_name
 from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.sink import EventSink
-from kvpubd.protocol.auth import CurveServer
-from kvpubd.protocol.config import Settings, rank_endpoint
+from kvpubd.protocol.auth import AuthError, CurveServer
+from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir, rank_endpoint
 from kvpubd.protocol.control import (
     Checksum,
     Ping,
@@ -132,8 +141,18 @@ class Rank:
 
 
 class Service:
-    def __init__(self, settings: Settings) -> None:
+    """``reload_settings`` (SIGHUP) returns the configuration as it is now, or raises
+    ConfigError; without it SIGHUP only says that nothing was reloaded."""
+
+    def __init__(
+        self, settings: Settings, reload_settings: Callable[[], Settings] | None = None
+    ) -> None:
         self.settings = settings
+        self._reload_settings = reload_settings
+        self.ready = False
+        # What start-up made and shutdown removes: the endpoint lock, directories it created.
+        self._lock: EndpointLock | None = None
+        self._created_dirs: list[Path] = []
         self.epoch = secrets.randbits(62)
         self.paused = False
         self.ranks: list[Rank] = []
@@ -167,12 +186,14 @@ class Service:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_exit)
+        # SIGHUP's default action kills the process without a word.
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             await self.startup()
             await self.main_loop()
         finally:
             await self.shutdown()
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
 
     def request_exit(self) -> None:
@@ -180,8 +201,40 @@ class Service:
             log.info("shutdown requested")
         self._exit.set()
 
+    def reload(self) -> None:
+        """SIGHUP: apply the log level and the CURVE authorised keys as they are now; every
+        other setting needs a restart."""
+        if self._reload_settings is None:
+            log.info("SIGHUP: nothing to reload")
+            return
+        try:
+            fresh = self._reload_settings()
+        except ConfigError as exc:
+            log.error("SIGHUP: config error: %s; nothing reloaded", exc)
+            return
+        logs.set_level(fresh.service.log_level)
+        reloaded = [f"log level {fresh.service.log_level}"]
+        if self._curve is not None:
+            try:
+                reloaded.append(f"{self._curve.reload()} authorised CURVE client key(s)")
+            except AuthError as exc:
+                log.error("SIGHUP: control.curve_authorized_keys: %s; keeping the keys loaded", exc)
+        log.info("SIGHUP: reloaded %s", ", ".join(reloaded))
+        unchanged = {"service": {"log_level"}}
+        changed = [
+            f"{section}.{key}"
+            for section, values in fresh.model_dump().items()
+            for key, value in values.items()
+            if key not in unchanged.get(section, ())
+            and getattr(getattr(self.settings, section), key) != value
+        ]
+        if changed:
+            log.warning("SIGHUP: %s changed; restart the daemon to apply", ", ".join(changed))
+
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
+        self._lock_endpoint()
+        resources.raise_fd_limit()
         self._context = zmq.Context()
         # Control first: it refuses to start beside a running daemon on the same endpoint,
         # before anything here could take over that daemon's sockets or pool segment.
@@ -205,16 +258,18 @@ class Service:
         self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
         self._tasks.append(asyncio.create_task(self._reaper.run(), name="kvpubd-reaper"))
         log.info(
-            "ready: %d rank(s), %d blocks of %d bytes each, control on %s",
+            "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
             len(self.ranks),
             self.settings.cache.num_blocks,
             self.settings.cache.block_bytes,
             self.control_endpoint,
+            resources.fd_limit(),
         )
         # Everything built so far lives as long as the daemon: the per-block lists of every
         # index among it. Out of the collector's reach, a full collection no longer walks them
         # (a pause that grew with the pool and landed on whichever reset came next).
         gc.freeze()
+        self.ready = True
         self._notify_ready()
 
     async def main_loop(self) -> None:
@@ -251,7 +306,13 @@ class Service:
             # (linger_ms for PUB) for queued messages to reach subscribers.
             self._context.destroy()
             self._context = None
-        log.info("stopped")
+        # Last, so that no second daemon can start before this one let go of everything.
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        remove_dirs(self._created_dirs)
+        if self.ready:  # a daemon that never started does not say it stopped
+            log.info("stopped")
         self._notifier.close()
 
     def _add_reader(
@@ -320,12 +381,7 @@ class Service:
             self._curve.apply(sock)
         # Hard cap well above the protocol limit: larger frames cost a disconnect, not memory.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.settings.control.max_message_bytes + 1024)
-        path = _ipc_path(endpoint)
-        if path is not None:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # Binding an ipc path silently takes it over from whoever holds it.
-            if path.exists() and _answers_ping(endpoint):
-                raise StartupError(f"control endpoint {endpoint} is in use by a running daemon")
+        path = ipc_path(endpoint)  # None for an abstract name: no file to protect or remove
         old_umask = os.umask(0o077)  # the socket file is created owner-only
         try:
             sock.bind(endpoint)
@@ -336,8 +392,21 @@ class Service:
         self.control_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         return sock
 
+    def _lock_endpoint(self) -> None:
+        """One daemon per control endpoint: refuse before binding anything or touching the pool
+        segment (named after the endpoint) of a daemon that runs on it."""
+        endpoint = self.settings.control.endpoint
+        path = lock_path(endpoint, default_runtime_dir())
+        if path is None:
+            return
+        self._created_dirs = make_parents(path)
+        try:
+            self._lock = EndpointLock.acquire(endpoint, path)
+        except EndpointInUse as exc:
+            raise StartupError(str(exc)) from None
+
     def _unlink_control_socket(self) -> None:
-        path = _ipc_path(self.control_endpoint)
+        path = ipc_path(self.control_endpoint)
         if path is not None:
             path.unlink(missing_ok=True)
 
@@ -522,17 +591,6 @@ def _create_metrics(service: Service) -> Metrics:
     return Metrics(lambda: service.ranks, lambda: service.paused)
 
 
-def _answers_ping(endpoint: str) -> bool:
-    from kvpubd.client import ControlClient, ControlTimeout
-
-    with ControlClient(endpoint, timeout=0.5) as client:
-        try:
-            client.ping()
-        except ControlTimeout:
-            return False
-        return True
-
-
 def _replay_pump(publisher: Publisher) -> Callable[[], None]:
     """Reader callback for a replay socket: serve replays a chunk at a time, coming back on a
     later loop turn while any remain, so resets and ticks never wait behind a long replay."""
@@ -545,13 +603,9 @@ def _replay_pump(publisher: Publisher) -> Callable[[], None]:
     return pump
 
 
-def _ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
-
-
-def run(settings: Settings) -> None:
+def run(settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
-    service = Service(settings)
+    service = Service(settings, reload_settings)
     if settings.service.loop == "uvloop":
         try:
             import uvloop
