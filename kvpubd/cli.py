@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -123,9 +122,6 @@ def serve(
     if log_level is not None and log_level.lower() not in logs.LEVELS:
         raise _fail(f"--log-level: {log_level!r} is not one of {', '.join(logs.LEVELS)}", code=2)
     logs.configure(log_level or settings.service.log_level)
-    logging.getLogger("kvpubd").info(
-        "kvpubd %s: config %s", __version__, config if config else "(defaults)"
-    )
 
     def reload_settings() -> Settings:
         """SIGHUP: the config as it is now; --log-level stays in force over the file's."""
@@ -136,7 +132,7 @@ def serve(
         return fresh.model_copy(update={"service": service})
 
     try:
-        run(settings, reload_settings)
+        run(settings, reload_settings, str(config) if config else "(defaults)")
     except PoolDoesNotFit as exc:
         raise _fail(f"cannot start: {exc}", code=2) from None
     except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use

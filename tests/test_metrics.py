@@ -123,7 +123,10 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
     assert value(after, "kvpubd_seq", rank="0") == history[-1].seq == stats["seq"]
     assert value(after, "kvpubd_resets_total", rank="0") == 1
     assert value(after, "kvpubd_reset_duration_seconds_count") == 1
-    assert value(after, "kvpubd_dropped_stores_total", rank="0") == stats["dropped_stores"]
+    assert (
+        value(after, "kvpubd_dropped_stored_blocks_total", rank="0")
+        == stats["dropped_stored_blocks"]
+    )
     assert value(after, "kvpubd_replay_requests_total", rank="0") == stats["replay_requests"] >= 1
     for gauge, key in (
         ("kvpubd_pool_blocks_used", "blocks_used"),

@@ -11,7 +11,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import tempfile
 from pathlib import Path
+
+import zmq
 
 
 class EndpointInUse(RuntimeError):
@@ -27,6 +30,21 @@ def ipc_path(endpoint: str) -> Path | None:
         return None
     address = endpoint.removeprefix("ipc://")
     return None if address.startswith("@") else Path(address)
+
+
+def bind_ipc_safely(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind; for an abstract name, from an empty directory: libzmq unlinks the path it is
+    given before binding, and would remove a file named ``@name`` in the working directory."""
+    if not endpoint.startswith("ipc://@"):
+        sock.bind(endpoint)
+        return
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="kvpubd-bind-") as empty:
+        os.chdir(empty)  # start-up: the loop runs nothing else that could see the change
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.chdir(cwd)
 
 
 def lock_path(endpoint: str, runtime_dir: Path) -> Path | None:

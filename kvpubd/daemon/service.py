@@ -24,9 +24,11 @@ import zmq
 from kvpubd import __version__
 from kvpubd.daemon import logs, resources
 from kvpubd.daemon.cache import CacheError, RankCache
+from kvpubd.daemon.conn_cap import ConnectionCap
 from kvpubd.daemon.endpoint_lock import (
     EndpointInUse,
     EndpointLock,
+    bind_ipc_safely,
     ipc_path,
     lock_path,
     make_parents,
@@ -121,13 +123,13 @@ class Rank:
         return {
             "rank": self.rank,
             "seq": self.publisher.last_seq,
-            "batches": self.publisher.batches,
+            "batches_published": self.publisher.batches,
             "events_published": self.publisher.events,
-            "dropped_stores": self.sink.dropped_stores,
+            "dropped_stored_blocks": self.sink.dropped_stored_blocks,
             "resets": self.resets,
             "replay_requests": self.publisher.replay_requests,
             "replays_refused": self.publisher.replays_refused,
-            "blocks_total": pool.num_blocks,
+            "blocks_capacity": pool.num_blocks,
             "blocks_used": pool.used_count,
             "blocks_free": pool.free_count,
             "blocks_cached": len(self.cache.index),
@@ -145,13 +147,19 @@ class Service:
     ConfigError; without it SIGHUP only says that nothing was reloaded."""
 
     def __init__(
-        self, settings: Settings, reload_settings: Callable[[], Settings] | None = None
+        self,
+        settings: Settings,
+        reload_settings: Callable[[], Settings] | None = None,
+        config_label: str = "(defaults)",
     ) -> None:
         self.settings = settings
+        self.config_label = config_label  # where the settings came from, for the log
         self._reload_settings = reload_settings
         self.ready = False
         # What start-up made and shutdown removes: the endpoint lock, directories it created.
         self._lock: EndpointLock | None = None
+        self._caps: list[ConnectionCap] = []
+        self._drain_task: asyncio.Task[None] | None = None
         self._created_dirs: list[Path] = []
         self.epoch = secrets.randbits(62)
         self.paused = False
@@ -196,6 +204,17 @@ class Service:
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
 
+    def health(self) -> str | None:
+        """None while the daemon is ready and its drain loop runs; else what is wrong."""
+        if not self.ready:
+            return "not ready"
+        if self._exit.is_set():
+            return "stopping"
+        drain = self._drain_task
+        if drain is None or drain.done():
+            return "the drain loop is not running"
+        return None
+
     def request_exit(self) -> None:
         if not self._exit.is_set():
             log.info("shutdown requested")
@@ -234,6 +253,8 @@ class Service:
     async def startup(self) -> None:
         loop = asyncio.get_running_loop()
         self._lock_endpoint()
+        # After the lock: a second daemon refused says one line, its refusal.
+        log.info("kvpubd %s: config %s", __version__, self.config_label)
         resources.raise_fd_limit()
         self._context = zmq.Context()
         # Control first: it refuses to start beside a running daemon on the same endpoint,
@@ -255,7 +276,9 @@ class Service:
                 self._add_reader(loop, rank.publisher.replay, _replay_pump(rank.publisher))
         self._add_reader(loop, self._control, self._serve_control)
         await self._start_metrics()
-        self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
+        self._cap_connections(loop)
+        self._drain_task = asyncio.create_task(self._drain_loop(), name="kvpubd-drain")
+        self._tasks.append(self._drain_task)
         self._tasks.append(asyncio.create_task(self._reaper.run(), name="kvpubd-reaper"))
         log.info(
             "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
@@ -281,6 +304,9 @@ class Service:
         for fd in self._readers:
             loop.remove_reader(fd)
         self._readers = []
+        for guard in self._caps:
+            guard.close()
+        self._caps = []
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -323,6 +349,33 @@ class Service:
         self._readers.append(fd)
         # Anything that arrived before the reader existed would not wake it.
         loop.call_soon(drain)
+
+    def _cap_connections(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Share the fds left after start-up (less a reserve) among the TCP listeners, so that
+        no flood of connections can use up the last one (see conn_cap)."""
+        assert self._control is not None
+        listeners = [(self._control, self.control_endpoint, "control")]
+        for rank in self.ranks:
+            publisher = rank.publisher
+            listeners.append((publisher.pub, publisher.endpoint, f"rank {rank.rank} events"))
+            if publisher.replay is not None:
+                listeners.append(
+                    (publisher.replay, publisher.replay_endpoint, f"rank {rank.rank} replay")
+                )
+        cap = resources.fd_budget(len(listeners) + (self.metrics is not None))
+        for sock, bound, name in listeners:
+            guard = ConnectionCap.create(sock, bound, cap, name)
+            if guard is not None:
+                guard.start(loop)
+                self._caps.append(guard)
+        if self.metrics is not None:
+            self.metrics.max_connections = cap
+        log.debug(
+            "connections: at most %d per TCP listener (%d fds open, limit %d)",
+            cap,
+            resources.open_fds(),
+            resources.fd_limit(),
+        )
 
     async def _start_metrics(self) -> None:
         if self.metrics is None:
@@ -384,7 +437,7 @@ class Service:
         path = ipc_path(endpoint)  # None for an abstract name: no file to protect or remove
         old_umask = os.umask(0o077)  # the socket file is created owner-only
         try:
-            sock.bind(endpoint)
+            bind_ipc_safely(sock, endpoint)
         finally:
             os.umask(old_umask)
         if path is not None:
@@ -588,7 +641,7 @@ class StartupError(RuntimeError):
 def _create_metrics(service: Service) -> Metrics:
     from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
 
-    return Metrics(lambda: service.ranks, lambda: service.paused)
+    return Metrics(lambda: service.ranks, lambda: service.paused, service.health)
 
 
 def _replay_pump(publisher: Publisher) -> Callable[[], None]:
@@ -603,9 +656,13 @@ def _replay_pump(publisher: Publisher) -> Callable[[], None]:
     return pump
 
 
-def run(settings: Settings, reload_settings: Callable[[], Settings] | None = None) -> None:
+def run(
+    settings: Settings,
+    reload_settings: Callable[[], Settings] | None = None,
+    config_label: str = "(defaults)",
+) -> None:
     """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
-    service = Service(settings, reload_settings)
+    service = Service(settings, reload_settings, config_label)
     if settings.service.loop == "uvloop":
         try:
             import uvloop
