@@ -29,7 +29,8 @@ def test_one_line_per_lifecycle_step(start_daemon: StartDaemon) -> None:
         r"INFO kvpubd: kvpubd \S+: config \S+kvpubd\.toml",
         r"INFO kvpubd: rank 0: events on ipc://\S+_dp0, replay on ipc://\S+_dp0",
         rf"INFO kvpubd: metrics on http://127\.0\.0\.1:{port}/metrics",
-        r"INFO kvpubd: ready: 1 rank\(s\), 256 blocks of \d+ bytes each, control on ipc://\S+, fd limit \d+",
+        r"INFO kvpubd: ready: 1 rank\(s\), 256 blocks of \d+ bytes each, "
+        r"control on ipc://\S+, fd limit \d+",
         r"INFO kvpubd: reset rank\(s\) 0 in \d+ us: markers 0:\d+",
         r"INFO kvpubd: periodic drain paused",
         r"INFO kvpubd: periodic drain resumed",
