@@ -102,17 +102,27 @@ def serve(
     log_level: Annotated[
         str | None, typer.Option(help="debug, info, warning or error [default: from config].")
     ] = None,
+    kv_events_config: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-events-config",
+            help="vLLM's --kv-events-config JSON (or @file): its fields set [events] over "
+            "--config; KVPUBD_* env still wins.",
+        ),
+    ] = None,
 ) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
     import zmq
 
     from kvpubd.daemon import logs
     from kvpubd.daemon.pool import PoolDoesNotFit, check_device
-    from kvpubd.daemon.service import StartupError, run
+    from kvpubd.daemon.service import StartupError, TaskFailed, run
     from kvpubd.protocol.auth import check_curve_settings
+    from kvpubd.protocol.vllm_config import load_kv_events_config
 
     try:
-        settings = load_settings(config)
+        vllm = load_kv_events_config(kv_events_config) if kv_events_config else None
+        settings = load_settings(config, {"events": vllm.events} if vllm else None)
         check_device(settings.cache.device)
         check_curve_settings(settings.control)
     except ConfigError as exc:
@@ -125,18 +135,24 @@ def serve(
 
     def reload_settings() -> Settings:
         """SIGHUP: the config as it is now; --log-level stays in force over the file's."""
-        fresh = load_settings(config)
+        fresh = load_settings(config, {"events": vllm.events} if vllm else None)
         if log_level is None:
             return fresh
         service = fresh.service.model_copy(update={"log_level": log_level.lower()})
         return fresh.model_copy(update={"service": service})
 
+    # Logged once the daemon holds its endpoint: a refused second daemon says one line.
+    start_lines = [f"kvpubd {__version__}: config {config if config else '(defaults)'}"]
+    if vllm is not None:
+        start_lines.append(vllm.describe())
     try:
-        run(settings, reload_settings, str(config) if config else "(defaults)")
+        run(settings, reload_settings, start_lines)
     except PoolDoesNotFit as exc:
         raise _fail(f"cannot start: {exc}", code=2) from None
     except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use
         raise _fail(f"cannot start: {exc}", code=1) from None
+    except TaskFailed as exc:
+        raise _fail(f"stopped: {exc}", code=1) from None
 
 
 @app.command()
@@ -285,10 +301,11 @@ def _print_events(
             f"gap on rank {rank}: seqs {first}..{seq - 1} missing, repairing through {repair}"
         ),
         on_resync=lambda rank, seq: note(
-            f"rank {rank}: history gone; resynchronised from the snapshot at seq {seq}"
+            f"rank {rank}: history gone; mirror rebuilt (snapshot or reset marker) at seq {seq}"
         ),
         on_restart=lambda rank, reason: note(
-            f"rank {rank}: daemon restart ({reason}); following the new run from seq 0"
+            f"rank {rank}: daemon restart ({reason}); following the new run from its first "
+            "retained batch"
         ),
     ) as subscriber:
         lost = dict.fromkeys(subscriber.ranks, 0)
