@@ -91,7 +91,7 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
         with daemon.client() as client:  # a new ipc connection, while the flood holds
             marker = client.reset(force=True)[0]["seq"]
         assert sub.poll(10_000), "no marker reached the subscriber"
-        topic, seq, payload = sub.recv_multipart()
+        _topic, seq, payload = sub.recv_multipart()
         assert int.from_bytes(seq, "big") == marker
         assert decode_batch(payload).events == [AllBlocksCleared()]
         assert daemon.alive()
@@ -132,6 +132,7 @@ def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> No
     stats = os.statvfs("/dev/shm")
     geometry = {"num_layers": 64, "num_kv_heads": 8, "head_dim": 128}
     block_bytes = CacheConfig(**geometry).block_bytes
+    free = stats.f_bavail * stats.f_frsize
     config = tmp_path / "kvpubd.toml"
     write_config(
         config,
