@@ -140,7 +140,7 @@ def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> No
             "control": {"endpoint": f"ipc://{tmp_path}/control"},
             "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
             "cache": {
-                "num_blocks": stats.f_bavail * stats.f_frsize // block_bytes + 64,
+                "num_blocks": free // block_bytes + 64,
                 **geometry,
             },
         },
