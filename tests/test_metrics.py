@@ -177,6 +177,9 @@ def test_http_edges(start_daemon: StartDaemon) -> None:
     assert content_type.startswith("application/openmetrics-text")
     assert text.endswith("# EOF\n")
 
+    with urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=10) as health:
+        assert health.status == 200 and health.read() == b"ok\n"
+
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(url.replace("/metrics", "/nope"), timeout=10)
     assert missing.value.code == 404
@@ -226,7 +229,7 @@ async def test_daemons_in_one_process_keep_their_own_metrics(tmp_path: Path) -> 
     ]
     assert stored == [1, 0]
     assert [value(f, "kvpubd_control_requests_total", op="store") for f in found] == [1, 0]
-    assert [value(f, "kvpubd_pool_blocks_pinned", rank="0") for f in found] == [3, 0]
+    assert [value(f, "kvpubd_blocks_pinned", rank="0") for f in found] == [3, 0]
 
 
 def serve(config: Path) -> subprocess.CompletedProcess[str]:
@@ -281,3 +284,33 @@ def test_metrics_are_off_by_default(daemon: Daemon) -> None:
     assert Settings().metrics.port == 0
     wait_for(lambda: "ready:" in daemon.log(), what="the ready line")
     assert "metrics on" not in daemon.log()
+
+
+async def test_healthz_fails_when_the_drain_loop_is_gone(tmp_path: Path) -> None:
+    port = free_tcp_ports(1)[0]
+    settings = Settings(
+        events={"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+        control={"endpoint": f"ipc://{tmp_path}/ctl"},
+        cache={"num_blocks": 16, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
+        metrics={"port": port},
+    )
+    service = Service(settings)
+    url = f"http://127.0.0.1:{port}/healthz"
+
+    def status() -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    try:
+        await service.startup()
+        assert await asyncio.to_thread(status) == (200, b"ok\n")
+        for task in service._tasks:
+            if task.get_name() == "kvpubd drain loop":
+                task.cancel()
+        await asyncio.sleep(0)
+        assert await asyncio.to_thread(status) == (503, b"the drain loop is not running\n")
+    finally:
+        await service.shutdown()
