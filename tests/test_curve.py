@@ -108,16 +108,7 @@ def test_bad_curve_settings_exit_2(
         "ALLOWED": str(keys["allowed"]),
         "MISSING": str(tmp_path / "nowhere"),
     }
-    daemon = Daemon({"control": {k: paths[v] for k, v in control.items()}})
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "kvpubd", "serve", "--config", str(daemon.config_path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        daemon.cleanup()
+    result = serve_exit({k: paths[v] for k, v in control.items()})
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert key in line

@@ -8,6 +8,7 @@ keys are."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import stat
 import threading
@@ -97,11 +98,21 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         self._next_log = 0.0
         self._suppressed = 0
 
-    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
-        allowed, reason = await super()._authenticate_curve(domain, client_key)
-        if not allowed:
+    def _authenticate_curve(self, domain: str, client_key: bytes) -> Any:  # type: ignore[override]
+        # A coroutine in recent pyzmq, a plain result in older ones: pass on whichever it is.
+        result = super()._authenticate_curve(domain, client_key)
+        if not inspect.isawaitable(result):
+            return self._checked(result, client_key)
+
+        async def checked() -> tuple[bool, bytes]:
+            return self._checked(await result, client_key)
+
+        return checked()
+
+    def _checked(self, result: tuple[bool, bytes], client_key: bytes) -> tuple[bool, bytes]:
+        if not result[0]:
             self._rejected(zmq.utils.z85.encode(client_key).decode())
-        return allowed, reason
+        return result
 
     def _rejected(self, client_key: str) -> None:
         with self._lock:
@@ -139,7 +150,7 @@ def check_curve_settings(control: Any) -> None:
     mode = secret.stat().st_mode
     if mode & 0o077:
         raise ConfigError(
-            f"control.curve_secret_key: {secret} is readable by others (mode "
+            f"control.curve_secret_key: {secret} is open to group or others (mode "
             f"{stat.S_IMODE(mode):04o}); chmod 600 {secret}"
         )
     authorized = Path(control.curve_authorized_keys)
