@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,7 +12,12 @@ import typer
 from kvpubd import __version__
 from kvpubd.client import ControlClient, ControlError, ControlTimeout
 from kvpubd.client.subscriber import Subscriber, SubscriberError
-from kvpubd.protocol.config import ConfigError, default_control_endpoint, load_settings
+from kvpubd.protocol.config import (
+    ConfigError,
+    Settings,
+    default_control_endpoint,
+    load_settings,
+)
 from kvpubd.protocol.wire import BlockRemoved, BlockStored, Event
 
 app = typer.Typer(
@@ -111,7 +114,8 @@ def serve(
     """Run the daemon until SIGTERM or SIGINT."""
     import zmq
 
-    from kvpubd.daemon.pool import check_device
+    from kvpubd.daemon import logs
+    from kvpubd.daemon.pool import PoolDoesNotFit, check_device
     from kvpubd.daemon.service import StartupError, TaskFailed, run
     from kvpubd.protocol.auth import check_curve_settings
     from kvpubd.protocol.vllm_config import load_kv_events_config
@@ -125,20 +129,26 @@ def serve(
         raise _fail(f"config error: {exc}", code=2) from None
     except ValueError as exc:
         raise _fail(f"config error: cache.device: {exc}", code=2) from None
-    level = (log_level or settings.service.log_level).upper()
-    # Under systemd (JOURNAL_STREAM set) the journal stamps each line itself.
-    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format=f"{stamp}%(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("kvpubd").info(
-        "kvpubd %s: config %s", __version__, config if config else "(defaults)"
-    )
+    if log_level is not None and log_level.lower() not in logs.LEVELS:
+        raise _fail(f"--log-level: {log_level!r} is not one of {', '.join(logs.LEVELS)}", code=2)
+    logs.configure(log_level or settings.service.log_level)
+
+    def reload_settings() -> Settings:
+        """SIGHUP: the config as it is now; --log-level stays in force over the file's."""
+        fresh = load_settings(config, {"events": vllm.events} if vllm else None)
+        if log_level is None:
+            return fresh
+        service = fresh.service.model_copy(update={"log_level": log_level.lower()})
+        return fresh.model_copy(update={"service": service})
+
+    # Logged once the daemon holds its endpoint: a refused second daemon says one line.
+    start_lines = [f"kvpubd {__version__}: config {config if config else '(defaults)'}"]
     if vllm is not None:
-        logging.getLogger("kvpubd").info("%s", vllm.describe())
+        start_lines.append(vllm.describe())
     try:
-        run(settings)
+        run(settings, reload_settings, start_lines)
+    except PoolDoesNotFit as exc:
+        raise _fail(f"cannot start: {exc}", code=2) from None
     except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use
         raise _fail(f"cannot start: {exc}", code=1) from None
     except TaskFailed as exc:

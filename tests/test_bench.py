@@ -32,7 +32,7 @@ def test_bench_reset_reports_every_size_the_baseline_and_the_floor() -> None:
 
 def test_bench_throughput_counts_blocks_without_gaps() -> None:
     result = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096")
-    assert result["gaps"] == 0 and result["dropped_stores"] == 0
+    assert result["gaps"] == 0 and result["dropped_stored_blocks"] == 0
     assert result["blocks"] > 0 and result["blocks_per_s"] > 0
 
 

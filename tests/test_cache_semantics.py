@@ -24,7 +24,7 @@ CACHE_FIELDS = (
     "blocks_pinned",
     "blocks_published",
     "requests_open",
-    "dropped_stores",
+    "dropped_stored_blocks",
 )
 
 BlockKey = tuple[int, int | None, tuple[int, ...], int | None]
@@ -353,13 +353,13 @@ def test_capture_cap_drops_stores_descendants_and_their_removals(
         p.client.store("r1", prompt)
         next_tick(p)
         assert p.sync() == [stored(prompt, 0, 4)]
-        assert p.cache_stats()["dropped_stores"] == 6
+        assert p.cache_stats()["dropped_stored_blocks"] == 6
 
         # a fresh budget of 4, yet the extension of a dropped block is not published
         assert p.client.store("r2", longer)["num_cached_tokens"] == 10 * BS
         assert p.sync() == []
         stats = p.cache_stats()
-        assert stats["dropped_stores"] == 8 and stats["blocks_published"] == 4
+        assert stats["dropped_stored_blocks"] == 8 and stats["blocks_published"] == 4
         p.client.release("r1")
         p.client.release("r2")
 
@@ -373,7 +373,7 @@ def test_capture_cap_drops_stores_descendants_and_their_removals(
             assert removed_hashes(events) == expected_removed[i]
             assert [e for e in events if isinstance(e, BlockStored)] == [stored(filler, 0, 4)]
         assert p.published_hashes() == {x for f in fillers for x in reference_chain(f)}
-        assert p.cache_stats()["dropped_stores"] == 8
+        assert p.cache_stats()["dropped_stored_blocks"] == 8
 
 
 def test_stats_counters_follow_stores_and_releases(daemon: Daemon) -> None:
@@ -391,7 +391,7 @@ def test_stats_counters_follow_stores_and_releases(daemon: Daemon) -> None:
             "blocks_pinned": pinned,
             "blocks_published": published,
             "requests_open": open_,
-            "dropped_stores": 0,
+            "dropped_stored_blocks": 0,
         }
 
     with Probe(daemon) as p:

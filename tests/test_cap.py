@@ -18,7 +18,7 @@ def test_snapshot_flush_does_not_refill_the_tick_budget(start_daemon: DaemonFact
         tap.go_live(client)
         client.pause()
         stats = client.stats()["ranks"][0]
-        before, paused_at = stats["dropped_stores"], stats["seq"]
+        before, paused_at = stats["dropped_stored_blocks"], stats["seq"]
         for i, tokens in enumerate(prompts):
             client.store(f"r{i}", tokens)
             client.snapshot()
@@ -40,7 +40,7 @@ def test_snapshot_flush_does_not_refill_the_tick_budget(start_daemon: DaemonFact
                 None,
             ),
         ]
-        assert client.stats()["ranks"][0]["dropped_stores"] - before == 5
+        assert client.stats()["ranks"][0]["dropped_stored_blocks"] - before == 5
         mirror = Mirror(BLOCK_SIZE)
         for received in tap.history:
             mirror.apply(received.batch.events)

@@ -3,6 +3,7 @@ and stores have no effect; secret keys never appear in the log."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ import zmq.auth
 
 from kvpubd.client import ControlClient, ControlTimeout
 from kvpubd.protocol.auth import create_keys
-from tests.daemon import Daemon
+from tests.daemon import Daemon, wait_for
 from tests.streams import prompt
 
 
@@ -107,16 +108,7 @@ def test_bad_curve_settings_exit_2(
         "ALLOWED": str(keys["allowed"]),
         "MISSING": str(tmp_path / "nowhere"),
     }
-    daemon = Daemon({"control": {k: paths[v] for k, v in control.items()}})
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "kvpubd", "serve", "--config", str(daemon.config_path)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        daemon.cleanup()
+    result = serve_exit({k: paths[v] for k, v in control.items()})
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert key in line
@@ -143,3 +135,90 @@ def test_cli_with_curve_keys(curve_daemon: Daemon, keys: dict[str, Path]) -> Non
     )
     assert refused.returncode == 1
     assert "daemon" in refused.stderr
+
+
+def serve_exit(control: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    daemon = Daemon({"control": control})
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "kvpubd", "serve", "--config", str(daemon.config_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        daemon.cleanup()
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["garbage\n", 'curve\n    public-key = "tooshort"\n', 'curve\n    public-key = "' + "~" * 40],
+)
+def test_malformed_authorised_key_exits_2_naming_it(keys: dict[str, Path], content: str) -> None:
+    """pyzmq skips a file it cannot read as a certificate: before, every client whose key was in
+    it was locked out while the daemon logged `ready`."""
+    bad = keys["allowed"] / "broken.key"
+    bad.write_text(content)
+    result = serve_exit(
+        {
+            "curve_secret_key": str(keys["server_secret"]),
+            "curve_authorized_keys": str(keys["allowed"]),
+        }
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("kvpubd: config error: control.curve_authorized_keys: ")
+    assert str(bad) in line
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_secret_key_readable_by_others_exits_2(keys: dict[str, Path], mode: int) -> None:
+    keys["server_secret"].chmod(mode)
+    result = serve_exit(
+        {
+            "curve_secret_key": str(keys["server_secret"]),
+            "curve_authorized_keys": str(keys["allowed"]),
+        }
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert str(keys["server_secret"]) in line and f"mode {mode:04o}" in line
+
+
+def test_rejected_clients_are_logged_rate_limited(
+    curve_daemon: Daemon, keys: dict[str, Path]
+) -> None:
+    """A client with an unknown key is named in a warning, once per interval however often it
+    retries; an authorised client is not."""
+    intruder_key = zmq.auth.load_certificate(keys["intruder_secret"])[0].decode()
+    for _ in range(5):
+        curve = (keys["intruder_secret"], keys["server_public"])
+        with (
+            ControlClient(curve_daemon.control_endpoint, timeout=0.2, curve=curve) as outsider,
+            pytest.raises(ControlTimeout),
+        ):
+            outsider.ping()
+    with curve_daemon.client() as client:
+        client.ping()
+    wait_for(lambda: intruder_key in curve_daemon.log(), what="the rejection's log line")
+    rejected = [line for line in curve_daemon.log().splitlines() if "rejected a CURVE" in line]
+    assert len(rejected) == 1, rejected
+    assert "WARNING" in rejected[0] and intruder_key in rejected[0]
+
+
+def test_sighup_reloads_authorised_keys(curve_daemon: Daemon, keys: dict[str, Path]) -> None:
+    curve = (keys["intruder_secret"], keys["server_public"])
+    with (
+        ControlClient(curve_daemon.control_endpoint, timeout=0.3, curve=curve) as newcomer,
+        pytest.raises(ControlTimeout),
+    ):
+        newcomer.ping()
+    public = keys["intruder_secret"].with_suffix(".key")
+    (keys["allowed"] / "newcomer.key").write_bytes(public.read_bytes())
+    curve_daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: reloaded" in curve_daemon.log(), what="the reload")
+    assert "2 authorised CURVE client key(s)" in curve_daemon.log()
+    with ControlClient(curve_daemon.control_endpoint, timeout=5, curve=curve) as newcomer:
+        assert newcomer.ping()["epoch"] == curve_daemon.epoch
+    assert curve_daemon.alive()
+    assert curve_daemon.stop() == 0

@@ -216,7 +216,7 @@ def test_reset_bypasses_an_exhausted_cap_and_starts_a_fresh_budget(
     with live(daemon) as (client, tap):
 
         def dropped() -> int:
-            return client.stats()["ranks"][0]["dropped_stores"]
+            return client.stats()["ranks"][0]["dropped_stored_blocks"]
 
         assert dropped() == 0
         before = tap.last_seq()

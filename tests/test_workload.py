@@ -36,14 +36,14 @@ BS = 16  # the test daemon's block_size
 PREFIX_BLOCKS = 10
 FAMILIES = [[f * 10_000 + i for i in range(PREFIX_BLOCKS * BS)] for f in range(3)]
 CACHE_FIELDS = (
-    "blocks_total",
+    "blocks_capacity",
     "blocks_used",
     "blocks_free",
     "blocks_cached",
     "blocks_pinned",
     "blocks_published",
     "requests_open",
-    "dropped_stores",
+    "dropped_stored_blocks",
 )
 
 BlockKey = tuple[int, int | None, tuple[int, ...], int | None]
@@ -143,7 +143,7 @@ class Workload:
         self.removals = 0
         self.exhausted = 0
         self.read_to(self.example_marker)
-        self.dropped_at_start = self.cache_stats()["dropped_stores"]
+        self.dropped_at_start = self.cache_stats()["dropped_stored_blocks"]
 
     def store(self, prompt: list[int], lora_id: int | None, salt: str | None) -> str | None:
         """Store a prompt under a fresh request id; None when the pool is exhausted."""
@@ -243,7 +243,7 @@ class Workload:
         assert stats["blocks_published"] == len(keys) <= stats["blocks_cached"]
         if not self.capped:
             assert stats["blocks_published"] == stats["blocks_cached"]
-            assert stats["dropped_stores"] == self.dropped_at_start
+            assert stats["dropped_stored_blocks"] == self.dropped_at_start
             assert pinned_full <= set(self.mirror.blocks), "a pinned block is not cached"
 
     def run(self, op: tuple[Any, ...]) -> None:
@@ -376,4 +376,4 @@ def test_random_workload_with_capture_cap(capped_workload: Workload, ops: list[A
         w.run(op)
     w.fill_and_evict()
     w.check()
-    assert w.cache_stats()["dropped_stores"] - w.dropped_at_start >= 2
+    assert w.cache_stats()["dropped_stored_blocks"] - w.dropped_at_start >= 2

@@ -20,7 +20,7 @@ class EventSink:
         self._budget = max_events_per_tick
         # Published and not yet removed, in publication order (parents before children).
         self.published = PublishedRecord()
-        self.dropped_stores = 0
+        self.dropped_stored_blocks = 0
 
     @property
     def pending_count(self) -> int:
@@ -41,10 +41,10 @@ class EventSink:
         A run under an unpublished parent is not published at all (its parent's store was
         dropped); otherwise as many blocks as the tick's budget allows, the rest dropped."""
         if parent_block is not None and parent_block not in self.published:
-            self.dropped_stores += len(block_ids)
+            self.dropped_stored_blocks += len(block_ids)
             return
         count = min(len(block_ids), self._budget)
-        self.dropped_stores += len(block_ids) - count
+        self.dropped_stored_blocks += len(block_ids) - count
         if count == 0:
             return
         self._budget -= count

@@ -957,7 +957,7 @@ def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str,
         "requests": requests,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
-        "dropped_stores": stats["dropped_stores"],
+        "dropped_stored_blocks": stats["dropped_stored_blocks"],
     }
 
 
@@ -986,7 +986,7 @@ def bench_throughput(
         f"{result['blocks_per_s']:,}",
         f"{result['blocks']:,}",
         str(result["gaps"]),
-        str(result["dropped_stores"]),
+        str(result["dropped_stored_blocks"]),
         f"{result['requests_per_s']:,}",
         f"{result['seconds']:.2f}",
     )

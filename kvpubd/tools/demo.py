@@ -239,7 +239,7 @@ class Demo:
         if self.pool:
             table.add_row(
                 "pool",
-                f"{self.pool['blocks_used']}/{self.pool['blocks_total']} blocks used, "
+                f"{self.pool['blocks_used']}/{self.pool['blocks_capacity']} blocks used, "
                 f"{self.pool['blocks_pinned']} pinned",
             )
         return Group(Text("kvpubd demo", style="bold"), table)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -89,14 +90,18 @@ class DaemonProcess:
     def ranks(self) -> int:
         return int(self.settings["cache"].get("data_parallel_size", 1))
 
-    def start(self, timeout: float = 20.0) -> DaemonProcess:
-        """Start the child and wait until it answers ping."""
+    def start(
+        self, timeout: float = 20.0, preexec_fn: Callable[[], None] | None = None
+    ) -> DaemonProcess:
+        """Start the child and wait until it answers ping; ``preexec_fn`` runs in the child
+        before it executes (e.g. to set resource limits)."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpubd", "serve", "--config", str(self.config_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=preexec_fn,
         )
         deadline = time.monotonic() + timeout
         with self.client(timeout=0.2) as client:
