@@ -211,7 +211,7 @@ def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch
     try:
         daemon.start()
         with daemon.client() as client:
-            endpoints = client.ping()["endpoints"]
+            endpoints = client.ping().endpoints
         assert endpoints[0]["events"] == f"{daemon.events_endpoint}_dp0"
         assert endpoints[0]["replay"] == f"{daemon.replay_endpoint}_dp0"
         sock = zmq.Context.instance().socket(zmq.DEALER)

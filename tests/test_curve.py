@@ -49,10 +49,10 @@ def curve_daemon(keys: dict[str, Path]) -> Iterator[Daemon]:
 
 def test_authorised_client_works(curve_daemon: Daemon) -> None:
     with curve_daemon.client() as client:
-        assert client.ping()["epoch"] == curve_daemon.epoch
-        assert len(client.store("ok", prompt(1, 2))["block_ids"]) == 2
+        assert client.ping().epoch == curve_daemon.epoch
+        assert len(client.store("ok", prompt(1, 2)).block_ids) == 2
         client.release("ok")
-        assert client.reset()[0]["rank"] == 0
+        assert client.reset().markers[0].rank == 0
 
 
 @pytest.mark.parametrize("who", ["plain", "intruder"])
@@ -66,16 +66,16 @@ def test_unauthorised_client_cannot_reset_or_store(
     curve = None if who == "plain" else (keys["intruder_secret"], keys["server_public"])
     with ControlClient(curve_daemon.control_endpoint, timeout=0.5, curve=curve) as outsider:
         for call in (
-            lambda: outsider.reset(force=True),
+            lambda: outsider.reset(force=True).markers,
             lambda: outsider.store("evil", prompt(3, 2)),
         ):
             with pytest.raises(ControlTimeout):
                 call()
     with curve_daemon.client() as client:
         after = client.snapshot()
-        assert after["seq"] == before["seq"]
-        assert after["events"] == before["events"]
-        assert client.stats()["ranks"][0]["resets"] == 0
+        assert after.seq == before.seq
+        assert after.events == before.events
+        assert client.stats().ranks[0].resets == 0
 
 
 def test_secret_keys_never_logged(curve_daemon: Daemon, keys: dict[str, Path]) -> None:

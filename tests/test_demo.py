@@ -60,8 +60,8 @@ def test_loadgen_drives_a_running_daemon(daemon: Daemon) -> None:
     assert summary["released"] == summary["requests"]
     assert 0 < summary["cached_tokens"] < summary["prompt_tokens"]  # prefixes are shared
     with daemon.client() as client:
-        rank = client.stats()["ranks"][0]
-    assert rank["requests_open"] == 0 and rank["blocks_pinned"] == 0  # all released
+        rank = client.stats().ranks[0]
+    assert rank.requests_open == 0 and rank.blocks_pinned == 0  # all released
 
 
 @pytest.mark.parametrize(

@@ -349,7 +349,7 @@ def soak(start_daemon: DaemonFactory, seconds: float, seed: int) -> None:
                 client.release(request_id)
             for sub, ranks in zip(subs, followed, strict=True):
                 assert_mirror_is_snapshot(sub, client, ranks)
-            stats = {r["rank"]: r for r in client.stats()["ranks"]}
+            stats = {r.rank: r for r in client.stats().ranks}
         for i, (sub, record, ranks) in enumerate(zip(subs, records, followed, strict=True)):
             for rank in ranks:
                 c = sub.rank_counters(rank)

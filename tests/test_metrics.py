@@ -96,15 +96,15 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
         assert load_stats.requests > 0
 
         # Refused requests, each of a different kind.
-        client.send_raw([b"\xc1"])  # not msgpack
-        assert client.recv_raw()["error"]["code"] == "bad_request"
+        client._send_raw([b"\xc1"])  # not msgpack
+        assert client._recv_raw()["error"]["code"] == "bad_request"
         with pytest.raises(ControlError, match="unknown_op"):
-            client.call("frobnicate")
+            client._call("frobnicate")
         with pytest.raises(ControlError, match="bad_request"):
             client.store("bad-rank", [1] * 16, rank=7)
         # A snapshot publishes whatever is still captured; nothing publishes after it.
-        tap.through({0: client.snapshot(0)["seq"]})
-        stats = client.stats()["ranks"][0]
+        tap.through({0: client.snapshot(0).seq})
+        stats = client.stats().ranks[0]
         after = samples(scrape(url)[1])
 
     # Counters never go down between scrapes.
@@ -120,18 +120,18 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
         assert value(after, "kvpubd_events_published_total", rank="0", type=kind) == by_type[kind]
     assert by_type["AllBlocksCleared"] == 2  # the start and the reset
     assert value(after, "kvpubd_batches_published_total", rank="0") == len(history)
-    assert value(after, "kvpubd_seq", rank="0") == history[-1].seq == stats["seq"]
+    assert value(after, "kvpubd_seq", rank="0") == history[-1].seq == stats.seq
     assert value(after, "kvpubd_resets_total", rank="0") == 1
     assert value(after, "kvpubd_reset_duration_seconds_count") == 1
-    assert value(after, "kvpubd_dropped_stores_total", rank="0") == stats["dropped_stores"]
-    assert value(after, "kvpubd_replay_requests_total", rank="0") == stats["replay_requests"] >= 1
+    assert value(after, "kvpubd_dropped_stores_total", rank="0") == stats.dropped_stores
+    assert value(after, "kvpubd_replay_requests_total", rank="0") == stats.replay_requests >= 1
     for gauge, key in (
         ("kvpubd_pool_blocks_used", "blocks_used"),
         ("kvpubd_pool_blocks_pinned", "blocks_pinned"),
         ("kvpubd_pool_blocks_free", "blocks_free"),
         ("kvpubd_pool_blocks_capacity", "blocks_total"),
     ):
-        assert value(after, gauge, rank="0") == stats[key], gauge
+        assert value(after, gauge, rank="0") == getattr(stats, key), gauge
     assert value(after, "kvpubd_pool_blocks_used", rank="0") > 0
 
     # Control requests since the first scrape: the load's, the reset, the refused three (and

@@ -42,11 +42,11 @@ def check_stream(daemon: Daemon, endpoint: str) -> None:
     with daemon.client() as client:
         snapshot = client.snapshot()
     batches = replay(endpoint, 0, timeout=20)
-    assert [seq for seq, _ in batches] == list(range(snapshot["seq"] + 1))
+    assert [seq for seq, _ in batches] == list(range(snapshot.seq + 1))
     mirror = Mirror(BLOCK_SIZE)
     for _, payload in batches:
         mirror.apply(decode_batch(payload).events)
-    assert len(mirror.blocks) == len(snapshot["events"])
+    assert len(mirror.blocks) == len(snapshot.events)
 
 
 @settings(
@@ -70,7 +70,7 @@ def test_hundreds_of_concurrent_replay_clients(daemon: Daemon) -> None:
         for i in range(50):
             client.store(f"r{i}", prompt(1000 + i, 2))
             client.release(f"r{i}")
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
     endpoint = rank_endpoint(daemon.replay_endpoint, 0)
     for got in concurrent_replays(endpoint, 300):
         assert got[-(last + 1) :] == list(range(last + 1))

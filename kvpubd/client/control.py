@@ -1,121 +1,141 @@
 """Control clients of a running daemon: ``ControlClient`` (blocking) and
-``AsyncControlClient`` (asyncio), over a DEALER socket."""
+``AsyncControlClient`` (asyncio), over a DEALER socket. Every op returns a typed reply
+(``kvpubd.client.replies``); a refusal raises ``ControlError``, silence ``ControlTimeout``."""
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from kvpubd.protocol.config import default_control_endpoint
+from kvpubd.client import replies
+from kvpubd.client.replies import (
+    Call,
+    ChecksumReply,
+    ControlError,
+    PauseReply,
+    PingReply,
+    PoolInfo,
+    ReleaseReply,
+    ReplyMap,
+    RequestId,
+    ResetReply,
+    SnapshotReply,
+    StatsReply,
+    StoreReply,
+)
+from kvpubd.protocol.endpoints import (
+    check_endpoint,
+    default_control_endpoint,
+    missing_ipc_socket,
+)
 
+__all__ = ["AsyncControlClient", "ControlClient", "ControlError", "ControlTimeout"]
 
-class ControlError(Exception):
-    """The daemon refused a request; ``code`` is its error code."""
+T = TypeVar("T")
+ContextT = TypeVar("ContextT", zmq.Context[zmq.Socket[bytes]], zmq.asyncio.Context)
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+Curve = tuple[Path, Path]  # (this client's secret certificate, the daemon's public one)
 
 
 class ControlTimeout(TimeoutError):
-    """No reply within the timeout: the daemon is not running or not reachable there."""
+    """No reply within the timeout: the daemon is not running or not reachable there (or it
+    has CURVE on and refused this client's handshake)."""
 
 
-def _encode_request(op: str, request_id: int, fields: dict[str, Any]) -> bytes:
-    return msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)
+def check_timeout(timeout: float, what: str = "timeout") -> float:
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"{what}: {timeout} is not a positive number of seconds")
+    return timeout
 
 
-def _checked(reply: dict[str, Any]) -> dict[str, Any]:
-    if not reply.get("ok"):
-        error = reply.get("error") or {}
-        raise ControlError(str(error.get("code")), str(error.get("message")))
-    return reply
+class _Client(Generic[ContextT]):
+    """What both forms share: the endpoint, the DEALER, request ids and reply matching.
+    Replies are matched by id, so a late reply to a timed-out request never answers the next
+    one."""
 
-
-def _dealer(context: zmq.Context, endpoint: str, curve: tuple[Path, Path] | None) -> zmq.Socket:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve is not None:
-        from kvpubd.protocol.auth import apply_curve_client
-
-        apply_curve_client(sock, *curve)
-    sock.connect(endpoint)
-    return sock
-
-
-class _Ops:
-    """The control ops, on top of a ``call`` that is a plain or an async function."""
-
-    def call(self, op: str, **fields: Any) -> Any:
-        raise NotImplementedError
-
-    def _call_for(self, key: str, op: str, **fields: Any) -> Any:
-        raise NotImplementedError
-
-    def ping(self) -> Any:
-        return self.call("ping")
-
-    def stats(self) -> Any:
-        return self.call("stats")
-
-    def store(self, request_id: str | int, token_ids: list[int] | np.ndarray, **fields: Any) -> Any:
-        """Store a prompt; a NumPy array travels as packed uint32 bytes (the fast form)."""
-        if isinstance(token_ids, np.ndarray):
-            token_ids = token_ids.astype("<u4").tobytes()
-        return self.call("store", request_id=request_id, token_ids=token_ids, **fields)
-
-    def release(self, request_id: str | int) -> Any:
-        return self.call("release", request_id=request_id)
-
-    def reset(self, rank: int | None = None, force: bool = False) -> Any:
-        """The markers: ``[{"rank": r, "seq": s}, ...]``."""
-        fields: dict[str, Any] = {"force": force}
-        if rank is not None:
-            fields["rank"] = rank
-        return self._call_for("markers", "reset", **fields)
-
-    def pause(self) -> Any:
-        return self.call("pause")
-
-    def resume(self) -> Any:
-        return self.call("resume")
-
-    def snapshot(self, rank: int = 0) -> Any:
-        return self.call("snapshot", rank=rank)
-
-    def pool_info(self, rank: int = 0) -> Any:
-        return self.call("pool_info", rank=rank)
-
-    def checksum(self, block_ids: list[int], rank: int = 0) -> Any:
-        return self._call_for("checksums", "checksum", rank=rank, block_ids=block_ids)
-
-
-class ControlClient(_Ops):
-    """Synchronous control client over a DEALER socket. Replies are matched by id, so a late
-    reply to a timed-out request never answers the next one. ``curve``: (this client's secret
-    certificate, the daemon's public certificate) for a daemon with CURVE on."""
+    _context_class: type[ContextT]
+    _sock: Any  # each form names its socket type
 
     def __init__(
         self,
         endpoint: str | None = None,
         timeout: float = 5.0,
-        context: zmq.Context | None = None,
-        curve: tuple[Path, Path] | None = None,
+        context: ContextT | None = None,
+        curve: Curve | None = None,
     ) -> None:
-        self.endpoint = endpoint or default_control_endpoint()
-        self.timeout = timeout
+        self.endpoint = check_endpoint(endpoint or default_control_endpoint())
+        self.timeout = check_timeout(timeout)
+        self.curve = curve
         self._own_context = context is None
-        self._context = context or zmq.Context()
-        self._sock = _dealer(self._context, self.endpoint, curve)
+        self._context: ContextT = context if context is not None else self._context_class()
+        sock = self._sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                from kvpubd.protocol.auth import apply_curve_client
+
+                apply_curve_client(sock, *curve)
+            sock.connect(self.endpoint)
+        except BaseException:
+            sock.close()
+            self._term()
+            raise
         self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        self._sock.close()
+        self._term()
+
+    def _term(self) -> None:
+        if self._own_context:
+            self._context.term()
+
+    def _frame(self, op: str, fields: dict[str, object]) -> tuple[int, list[bytes]]:
+        path = missing_ipc_socket(self.endpoint)
+        if path is not None:
+            raise ControlTimeout(f"no control socket at {path}")
+        request_id = next(self._ids)
+        body = msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)
+        return request_id, [b"", body]
+
+    def _cannot_send(self) -> ControlTimeout:
+        return ControlTimeout(f"cannot send to {self.endpoint}")
+
+    def _no_reply(self) -> ControlTimeout:
+        return ControlTimeout(f"no reply from {self.endpoint}")
+
+    @staticmethod
+    def _answer(frames: list[bytes], request_id: int) -> ReplyMap | None:
+        """The reply map if ``frames`` answer ``request_id`` (None: another request's reply);
+        ControlError when the daemon refused it."""
+        try:
+            reply = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+        except (ValueError, msgpack.ExtraData):
+            return None
+        if not isinstance(reply, dict) or reply.get("id") != request_id:
+            return None
+        if not reply.get("ok"):
+            error = reply.get("error")
+            error = error if isinstance(error, dict) else {}
+            raise ControlError(str(error.get("code")), str(error.get("message")))
+        return reply
+
+
+class ControlClient(_Client[zmq.Context[zmq.Socket[bytes]]]):
+    """Blocking control client. ``endpoint`` defaults to the daemon's default ipc socket;
+    ``curve``: (this client's secret certificate, the daemon's public certificate) for a
+    daemon with CURVE on. A bad endpoint or timeout raises ValueError at once."""
+
+    _context_class = zmq.Context
+    _sock: zmq.Socket[bytes]
 
     def __enter__(self) -> ControlClient:
         return self
@@ -123,55 +143,89 @@ class ControlClient(_Ops):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        self._sock.close()
-        if self._own_context:
-            self._context.term()
+    def ping(self) -> PingReply:
+        return self._run(replies.ping())
 
-    def send_raw(self, frames: list[bytes]) -> None:
-        """Send frames as they are (after the delimiter), for protocol tests."""
+    def stats(self) -> StatsReply:
+        return self._run(replies.stats())
+
+    def store(
+        self,
+        request_id: RequestId,
+        token_ids: Sequence[int] | np.ndarray | bytes,
+        *,
+        rank: int = 0,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> StoreReply:
+        """Store a prompt and pin its blocks until ``release``; a NumPy array travels as
+        packed uint32 bytes (the fast form)."""
+        call = replies.store(
+            request_id, token_ids, rank=rank, lora_id=lora_id, lora_name=lora_name,
+            cache_salt=cache_salt,
+        )  # fmt: skip
+        return self._run(call)
+
+    def release(self, request_id: RequestId) -> ReleaseReply:
+        return self._run(replies.release(request_id))
+
+    def reset(self, rank: int | None = None, *, force: bool = False) -> ResetReply:
+        """Reset one rank (default: all); ``force`` drops requests that still pin blocks."""
+        return self._run(replies.reset(rank, force=force))
+
+    def pause(self) -> PauseReply:
+        return self._run(replies.pause())
+
+    def resume(self) -> PauseReply:
+        return self._run(replies.resume())
+
+    def snapshot(self, rank: int = 0) -> SnapshotReply:
+        return self._run(replies.snapshot(rank))
+
+    def pool_info(self, rank: int = 0) -> PoolInfo:
+        return self._run(replies.pool_info(rank))
+
+    def checksum(self, block_ids: Sequence[int], rank: int = 0) -> ChecksumReply:
+        return self._run(replies.checksum(block_ids, rank))
+
+    def _run(self, call: Call[T]) -> T:
+        return call.parse(self._call(call.op, **call.fields))
+
+    def _call(self, op: str, **fields: object) -> ReplyMap:
+        """Send one request as given; the reply map, or ControlError / ControlTimeout."""
+        request_id, frames = self._frame(op, fields)
+        self._send_raw(frames[1:])
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000)):
+                raise self._no_reply()
+            reply = self._answer(self._sock.recv_multipart(), request_id)
+            if reply is not None:
+                return reply
+
+    def _send_raw(self, frames: list[bytes]) -> None:
+        """Send frames as they are, after the empty delimiter (protocol tests use it)."""
         # With no usable connection (nothing listening, or a refused CURVE handshake) a DEALER
         # holds the message back; don't wait longer than for a reply.
         if not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
-            raise ControlTimeout(f"cannot send to {self.endpoint}")
+            raise self._cannot_send()
         self._sock.send_multipart([b"", *frames], zmq.NOBLOCK)
 
-    def recv_raw(self, timeout: float | None = None) -> dict[str, Any]:
+    def _recv_raw(self, timeout: float | None = None) -> object:
+        """The next reply as msgpack decodes it, whatever it answers (protocol tests)."""
         if not self._sock.poll(int((self.timeout if timeout is None else timeout) * 1000)):
-            raise ControlTimeout(f"no reply from {self.endpoint}")
-        frames = self._sock.recv_multipart()
-        return msgpack.unpackb(frames[-1], raw=False)
-
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request; return the reply map, or raise ControlError / ControlTimeout."""
-        request_id = next(self._ids)
-        self.send_raw([_encode_request(op, request_id, fields)])
-        deadline = time.monotonic() + self.timeout
-        while True:
-            reply = self.recv_raw(max(0.0, deadline - time.monotonic()))
-            if isinstance(reply, dict) and reply.get("id") == request_id:
-                return _checked(reply)
-
-    def _call_for(self, key: str, op: str, **fields: Any) -> Any:
-        return self.call(op, **fields)[key]
+            raise self._no_reply()
+        return msgpack.unpackb(self._sock.recv_multipart()[-1], raw=False)
 
 
-class AsyncControlClient(_Ops):
-    """The asyncio form of ControlClient: ``await client.store(...)``."""
+class AsyncControlClient(_Client[zmq.asyncio.Context]):
+    """The asyncio form of ControlClient, with the same arguments and replies:
+    ``await client.store(...)``."""
 
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        timeout: float = 5.0,
-        context: zmq.asyncio.Context | None = None,
-        curve: tuple[Path, Path] | None = None,
-    ) -> None:
-        self.endpoint = endpoint or default_control_endpoint()
-        self.timeout = timeout
-        self._own_context = context is None
-        self._context = context or zmq.asyncio.Context()
-        self._sock = _dealer(self._context, self.endpoint, curve)
-        self._ids = itertools.count(1)
+    _context_class = zmq.asyncio.Context
+    _sock: zmq.asyncio.Socket
 
     async def __aenter__(self) -> AsyncControlClient:
         return self
@@ -179,25 +233,64 @@ class AsyncControlClient(_Ops):
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        self._sock.close()
-        if self._own_context:
-            self._context.term()
+    async def ping(self) -> PingReply:
+        return await self._run(replies.ping())
 
-    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        request_id = next(self._ids)
+    async def stats(self) -> StatsReply:
+        return await self._run(replies.stats())
+
+    async def store(
+        self,
+        request_id: RequestId,
+        token_ids: Sequence[int] | np.ndarray | bytes,
+        *,
+        rank: int = 0,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> StoreReply:
+        call = replies.store(
+            request_id, token_ids, rank=rank, lora_id=lora_id, lora_name=lora_name,
+            cache_salt=cache_salt,
+        )  # fmt: skip
+        return await self._run(call)
+
+    async def release(self, request_id: RequestId) -> ReleaseReply:
+        return await self._run(replies.release(request_id))
+
+    async def reset(self, rank: int | None = None, *, force: bool = False) -> ResetReply:
+        return await self._run(replies.reset(rank, force=force))
+
+    async def pause(self) -> PauseReply:
+        return await self._run(replies.pause())
+
+    async def resume(self) -> PauseReply:
+        return await self._run(replies.resume())
+
+    async def snapshot(self, rank: int = 0) -> SnapshotReply:
+        return await self._run(replies.snapshot(rank))
+
+    async def pool_info(self, rank: int = 0) -> PoolInfo:
+        return await self._run(replies.pool_info(rank))
+
+    async def checksum(self, block_ids: Sequence[int], rank: int = 0) -> ChecksumReply:
+        return await self._run(replies.checksum(block_ids, rank))
+
+    async def _run(self, call: Call[T]) -> T:
+        return call.parse(await self._call(call.op, **call.fields))
+
+    async def _call(self, op: str, **fields: object) -> ReplyMap:
+        request_id, frames = self._frame(op, fields)
         deadline = time.monotonic() + self.timeout
-        if not await self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
-            raise ControlTimeout(f"cannot send to {self.endpoint}")
-        await self._sock.send_multipart([b"", _encode_request(op, request_id, fields)])
+        # pyzmq's stub of the asyncio poll() lacks its flags argument.
+        writable = self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT)  # type: ignore[call-arg]
+        if not await writable:
+            raise self._cannot_send()
+        await self._sock.send_multipart(frames)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not await self._sock.poll(int(left * 1000)):
-                raise ControlTimeout(f"no reply from {self.endpoint}")
-            frames = await self._sock.recv_multipart()
-            reply = msgpack.unpackb(frames[-1], raw=False)
-            if isinstance(reply, dict) and reply.get("id") == request_id:
-                return _checked(reply)
-
-    async def _call_for(self, key: str, op: str, **fields: Any) -> Any:
-        return (await self.call(op, **fields))[key]
+                raise self._no_reply()
+            reply = self._answer(await self._sock.recv_multipart(), request_id)
+            if reply is not None:
+                return reply

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvpubd.exits import USAGE, check_positive, fail, warn
 from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
@@ -105,7 +106,7 @@ class ResetProbe:
             self.recv_reply()
         # Let the drain loop publish everything captured, and read it, so a reset's batch
         # holds the marker alone.
-        while self.client.stats()["ranks"][0]["events_pending"]:
+        while self.client.stats().ranks[0].events_pending:
             self.drain_sub(0.01)
 
     def drain_sub(self, quiet_s: float) -> None:
@@ -240,6 +241,34 @@ def measure_resets(
     return results
 
 
+# Fewer resets per size than this give percentiles that mean little.
+MIN_RESETS = 100
+
+
+def _cache_sizes(text: str) -> list[int]:
+    """``--sizes``: comma-separated block counts >= 0 (at least one)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise fail(f"--sizes: {text!r} is not a comma-separated list of block counts >= 0", USAGE)
+    return [int(part) for part in parts]
+
+
+def _check_device(device: str) -> None:
+    """``--device``: cpu, or cuda:N with CuPy and that GPU here (one line otherwise)."""
+    from kvpubd.daemon.pool import check_device
+    from kvpubd.protocol.config import CacheConfig, ValidationError
+
+    try:
+        CacheConfig(device=device)
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise fail(f"--device: {message}", USAGE) from None
+    try:
+        check_device(device)
+    except ValueError as exc:
+        raise fail(f"--device: {exc}", USAGE) from None
+
+
 @bench_app.command("reset")
 def bench_reset(
     sizes: Annotated[
@@ -258,7 +287,16 @@ def bench_reset(
 ) -> None:
     """Reset sent -> AllBlocksCleared received by a subscriber, idle daemon, at each cache size;
     beside it the same daemon with the immediate flush off (the marker waits for a tick)."""
-    size_list = [int(s) for s in sizes.split(",") if s.strip()]
+    size_list = _cache_sizes(sizes)
+    check_positive("--resets", resets, integer=True)
+    if not 0 <= idle_ms < float("inf"):
+        raise fail(f"--idle-ms: {idle_ms} is not a number of milliseconds >= 0", USAGE)
+    _check_device(device)
+    if resets < MIN_RESETS:
+        warn(
+            f"{resets} resets per size is too small a sample for a p99 (or a stable p50); "
+            f"use --resets {MIN_RESETS} or more"
+        )
     with Progress(console=err, transient=True) as progress:
         immediate = measure_resets(size_list, resets, True, progress, device, idle_ms)
         baseline = measure_resets(size_list, resets, False, progress, device, idle_ms)
@@ -437,6 +475,8 @@ def bench_index(
     ] = False,
 ) -> None:
     """Radix index ops/s (store/match/evict mix) and RSS bytes per cached block."""
+    for option, value in (("--blocks", blocks), ("--chain", chain), ("--rounds", rounds)):
+        check_positive(option, value, integer=True)
     with err.status(f"building and exercising an index of {blocks:,} blocks"):
         result = measure_index(blocks, chain, rounds)
     if as_json:
@@ -561,6 +601,12 @@ def bench_publisher(
 ) -> None:
     """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
     loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB."""
+    for option, value in (
+        ("--batches", batches),
+        ("--events-per-batch", events_per_batch),
+        ("--rounds", rounds),
+    ):
+        check_positive(option, value, integer=True)
     with err.status(f"publishing {rounds} x {batches} batches, ours and the floor"):
         result = measure_publisher(batches, events_per_batch, rounds)
     if as_json:
@@ -666,10 +712,10 @@ def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str,
                 probe.recv_reply()
                 in_flight -= 1
             sent_all = time.monotonic()
-            stats = probe.client.stats()["ranks"][0]
-            while stats["events_pending"]:
-                stats = probe.client.stats()["ranks"][0]
-            control_side.send(stats["seq"])
+            stats = probe.client.stats().ranks[0]
+            while stats.events_pending:
+                stats = probe.client.stats().ranks[0]
+            control_side.send(stats.seq)
             counted = results_in.recv()
         finally:
             probe.close()
@@ -682,7 +728,7 @@ def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str,
         "requests": requests,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
-        "dropped_stores": stats["dropped_stores"],
+        "dropped_stores": stats.dropped_stores,
     }
 
 
@@ -699,6 +745,12 @@ def bench_throughput(
 ) -> None:
     """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
     blocks decoded by a subscriber in another process, blocks/s, with the gaps it saw."""
+    for option, value in (
+        ("--requests", requests),
+        ("--window", window),
+        ("--num-blocks", num_blocks),
+    ):
+        check_positive(option, value, integer=True)
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(requests, window, num_blocks)
     if as_json:

@@ -104,7 +104,7 @@ class DaemonProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
                 try:
-                    self.epoch = client.ping()["epoch"]
+                    self.epoch = client.ping().epoch
                     return self
                 except ControlTimeout:
                     if time.monotonic() > deadline:
