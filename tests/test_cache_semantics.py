@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvpubd.client import ControlError, Mirror, Received, SnapshotReply
+from kvpubd.client import ControlError, Mirror, Received, SnapshotReply, StatsReply
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
@@ -60,8 +60,8 @@ def removed_hashes(events: list[Event]) -> list[int]:
     return [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
 
-def cache_stats(stats: dict[str, Any]) -> dict[str, int]:
-    return {key: stats["ranks"][0][key] for key in CACHE_FIELDS}
+def cache_stats(stats: StatsReply) -> dict[str, int]:
+    return {key: getattr(stats.ranks[0], key) for key in CACHE_FIELDS}
 
 
 class Probe:

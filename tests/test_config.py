@@ -212,12 +212,12 @@ def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch
         daemon.start()
         with daemon.client() as client:
             endpoints = client.ping().endpoints
-        assert endpoints[0]["events"] == f"{daemon.events_endpoint}_dp0"
-        assert endpoints[0]["replay"] == f"{daemon.replay_endpoint}_dp0"
+        assert endpoints[0].events == f"{daemon.events_endpoint}_dp0"
+        assert endpoints[0].replay == f"{daemon.replay_endpoint}_dp0"
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(endpoints[0]["replay"])
+            sock.connect(endpoints[0].replay)
             sock.send_multipart([b"", (0).to_bytes(8, "big")])
             assert sock.poll(10_000), "no replay reply"
             frames = sock.recv_multipart()  # seq 0, the start-up marker

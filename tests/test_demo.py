@@ -69,8 +69,8 @@ def test_loadgen_drives_a_running_daemon(daemon: Daemon) -> None:
     [
         (["loadgen", "--prompt-mix", "chat=1,chat=2"], "--prompt-mix: prompt mix"),
         (["loadgen", "--prompt-mix", "chat=0"], "no kind has a positive weight"),
-        (["loadgen", "--rate", "-1"], "--rate: -1.0 must be a positive number"),
-        (["loadgen", "--hold", "nan"], "--hold: nan must be >= 0"),
+        (["loadgen", "--rate", "-1"], "--rate: -1.0 is not a positive number"),
+        (["loadgen", "--hold", "nan"], "--hold: nan is not a number of seconds >= 0"),
         (["demo", "--duration", "1"], "--duration: 1.0 is not between 2 and 3600 seconds"),
     ],
 )

@@ -52,7 +52,7 @@ def test_mapped_writes_match_daemon_checksums(start_daemon: DaemonFactory, devic
     daemon = start_daemon(cache={"device": device, "num_blocks": 64, **GEOMETRY})
     with daemon.client() as client:
         info = client.pool_info()
-        assert info.shape == [64, 768] and info.block_bytes == 768
+        assert info.shape == (64, 768) and info.block_bytes == 768
         assert info.kind == ("shm" if device == "cpu" else "cuda_ipc")
         reply = client.store("req", prompt(1, 5, tail=3))
         block_ids = reply.block_ids

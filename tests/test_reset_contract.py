@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvpubd.client import ControlClient, ControlError, Marker, Mirror, Received
+from kvpubd.client import ControlClient, ControlError, Marker, Mirror, Received, StoreReply
 from kvpubd.protocol.config import rank_endpoint
 from kvpubd.protocol.wire import (
     END_SEQ,
@@ -53,7 +53,9 @@ def live(daemon: Daemon, **sub_kwargs: Any) -> Iterator[tuple[ControlClient, Tap
         yield client, tap
 
 
-def store_released(client: ControlClient, request_id: str, tokens: list[int], **kw: Any) -> dict:
+def store_released(
+    client: ControlClient, request_id: str, tokens: list[int], **kw: Any
+) -> StoreReply:
     reply = client.store(request_id, tokens, **kw)
     client.release(request_id)
     return reply
@@ -134,7 +136,7 @@ def test_events_captured_before_reset_leave_before_marker_and_none_after_name_ol
         ad = a + prompt(4, 2)
         e, f = prompt(5, 3), prompt(6, 2)
         had, he, hf = chain_hashes(ad), chain_hashes(e), chain_hashes(f)
-        assert store_released(client, "ad", ad)["num_cached_tokens"] == 0
+        assert store_released(client, "ad", ad).num_cached_tokens == 0
         store_released(client, "e", e)
         store_released(client, "f", f)
         client.resume()
@@ -240,7 +242,7 @@ def test_reset_bypasses_an_exhausted_cap_and_starts_a_fresh_budget(
 
         # Same paused tick, after the reset: a fresh budget of 4.
         w, v = prompt(4, 5), prompt(5, 1)
-        assert store_released(client, "w", w)["num_cached_tokens"] == 0
+        assert store_released(client, "w", w).num_cached_tokens == 0
         store_released(client, "v", v)  # over the fresh cap: dropped
         assert dropped() == 4 + 1 + 1
         client.resume()
@@ -287,15 +289,15 @@ def test_same_prompt_after_reset_is_stored_again_with_same_hashes(
     )
     with live(daemon) as (client, tap):
         before = tap.last_seq()
-        assert store_released(client, "p1", tokens, **extra)["num_cached_tokens"] == 0
+        assert store_released(client, "p1", tokens, **extra).num_cached_tokens == 0
         first = tap.through({0: before + 1})
         assert [b.batch.events for b in first] == [[expected]]
         # Stored again without a reset: fully matched, nothing new.
-        assert store_released(client, "p2", tokens, **extra)["num_cached_tokens"] == len(full)
+        assert store_released(client, "p2", tokens, **extra).num_cached_tokens == len(full)
 
         [marker] = client.reset().markers
         assert marker.seq == before + 2
-        assert store_released(client, "p3", tokens, **extra)["num_cached_tokens"] == 0
+        assert store_released(client, "p3", tokens, **extra).num_cached_tokens == 0
         again = tap.through({0: before + 3})
         assert [(b.seq, b.batch.events) for b in again] == [
             (before + 2, [AllBlocksCleared()]),
@@ -405,7 +407,7 @@ def test_reset_of_an_empty_cache_publishes_a_marker(start_daemon: StartDaemon) -
     daemon = start_daemon()
     with daemon.client() as client, daemon.subscriber() as sub:
         ranks = client.stats().ranks
-        assert ranks[0]["blocks_cached"] == 0 and ranks[0]["blocks_used"] == 0
+        assert ranks[0].blocks_cached == 0 and ranks[0].blocks_used == 0
         assert client.reset().markers == [Marker(0, 1)]
         got = sub.catch_up()  # the SUB socket may not be connected yet: read through replay
         assert [(b.seq, b.batch.events) for b in got] == [
@@ -416,7 +418,7 @@ def test_reset_of_an_empty_cache_publishes_a_marker(start_daemon: StartDaemon) -
         client.reset()  # drops go_live's probe block
         tap.settle(client)
         ranks = client.stats().ranks
-        assert ranks[0]["blocks_cached"] == 0 and ranks[0]["blocks_used"] == 0
+        assert ranks[0].blocks_cached == 0 and ranks[0].blocks_used == 0
         before = tap.last_seq()
         assert client.reset().markers == [Marker(0, before + 1)]
         got = tap.through({0: before + 1})
@@ -466,7 +468,7 @@ def test_reset_of_one_rank_leaves_the_other_rank_untouched(start_daemon: StartDa
         # Fence on rank 0: P extended by one block still matches P, and its store is the very
         # next rank-0 batch.
         ext = p + prompt(3, 1)
-        assert store_released(client, "ext", ext, rank=0)["num_cached_tokens"] == len(p)
+        assert store_released(client, "ext", ext, rank=0).num_cached_tokens == len(p)
         tap.until(lambda: tap.last_seq(0) > before[0], what="rank 0's next batch")
         tap.through({1: before[1] + 1})
         hp, hext = chain_hashes(p), chain_hashes(ext)
@@ -480,8 +482,8 @@ def test_reset_of_one_rank_leaves_the_other_rank_untouched(start_daemon: StartDa
             (before[1] + 1, [AllBlocksCleared()])
         ]
         stats = {r.rank: r for r in client.stats().ranks}
-        assert (stats[0]["resets"], stats[1]["resets"]) == (0, 1)
-        assert store_released(client, "q2", q, rank=1)["num_cached_tokens"] == 0
+        assert (stats[0].resets, stats[1].resets) == (0, 1)
+        assert store_released(client, "q2", q, rank=1).num_cached_tokens == 0
 
 
 # -- 10. busy / force --------------------------------------------------------------------------

@@ -129,7 +129,7 @@ class Workload:
 
     def cache_stats(self) -> dict[str, int]:
         rank = self.client.stats().ranks[0]
-        return {key: rank[key] for key in CACHE_FIELDS}
+        return {key: getattr(rank, key) for key in CACHE_FIELDS}
 
     def begin(self) -> None:
         """Isolate an example: resume, force a reset and start a fresh Mirror at its marker."""
