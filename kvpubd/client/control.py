@@ -4,33 +4,20 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import msgpack
-import numpy as np
 import zmq
 import zmq.asyncio
 
-from kvpubd.client import replies
-from kvpubd.client.replies import (
-    Call,
-    ChecksumReply,
-    ControlError,
-    PauseReply,
-    PingReply,
-    PoolInfo,
-    ReleaseReply,
-    ReplyMap,
-    RequestId,
-    ResetReply,
-    SnapshotReply,
-    StatsReply,
-    StoreReply,
-)
+from kvpubd.client import replies as ops
+from kvpubd.client.replies import Call, ControlError, ReplyMap
 from kvpubd.protocol.endpoints import (
     check_endpoint,
     default_control_endpoint,
@@ -40,6 +27,7 @@ from kvpubd.protocol.endpoints import (
 __all__ = ["AsyncControlClient", "ControlClient", "ControlError", "ControlTimeout"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 ContextT = TypeVar("ContextT", zmq.Context[zmq.Socket[bytes]], zmq.asyncio.Context)
 
 Curve = tuple[Path, Path]  # (this client's secret certificate, the daemon's public one)
@@ -129,6 +117,44 @@ class _Client(Generic[ContextT]):
         return reply
 
 
+M = TypeVar("M", bound=Callable[..., object])
+
+
+def _like(method: M, op: Callable[..., object]) -> M:
+    """Give ``method`` the op's name, docstring and parameters (for help() and editors), with
+    the reply type as what it returns."""
+    functools.update_wrapper(method, op)
+    signature = inspect.signature(op)
+    returns = str(signature.return_annotation).removeprefix("Call[").removesuffix("]")
+    self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    parameters = [self, *signature.parameters.values()]
+    described = signature.replace(parameters=parameters, return_annotation=returns)
+    method.__signature__ = described  # type: ignore[attr-defined]
+    return method
+
+
+def _blocking(
+    op: Callable[P, Call[T]],
+) -> Callable[Concatenate[ControlClient, P], T]:
+    """The op as a ControlClient method: same parameters, the typed reply."""
+
+    def method(self: ControlClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(op(*args, **kwargs))
+
+    return _like(method, op)
+
+
+def _awaited(
+    op: Callable[P, Call[T]],
+) -> Callable[Concatenate[AsyncControlClient, P], Coroutine[Any, Any, T]]:
+    """The op as an AsyncControlClient coroutine method."""
+
+    async def method(self: AsyncControlClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(op(*args, **kwargs))
+
+    return _like(method, op)
+
+
 class ControlClient(_Client[zmq.Context[zmq.Socket[bytes]]]):
     """Blocking control client. ``endpoint`` defaults to the daemon's default ipc socket;
     ``curve``: (this client's secret certificate, the daemon's public certificate) for a
@@ -143,51 +169,16 @@ class ControlClient(_Client[zmq.Context[zmq.Socket[bytes]]]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def ping(self) -> PingReply:
-        return self._run(replies.ping())
-
-    def stats(self) -> StatsReply:
-        return self._run(replies.stats())
-
-    def store(
-        self,
-        request_id: RequestId,
-        token_ids: Sequence[int] | np.ndarray | bytes,
-        *,
-        rank: int = 0,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> StoreReply:
-        """Store a prompt and pin its blocks until ``release``; a NumPy array travels as
-        packed uint32 bytes (the fast form)."""
-        call = replies.store(
-            request_id, token_ids, rank=rank, lora_id=lora_id, lora_name=lora_name,
-            cache_salt=cache_salt,
-        )  # fmt: skip
-        return self._run(call)
-
-    def release(self, request_id: RequestId) -> ReleaseReply:
-        return self._run(replies.release(request_id))
-
-    def reset(self, rank: int | None = None, *, force: bool = False) -> ResetReply:
-        """Reset one rank (default: all); ``force`` drops requests that still pin blocks."""
-        return self._run(replies.reset(rank, force=force))
-
-    def pause(self) -> PauseReply:
-        return self._run(replies.pause())
-
-    def resume(self) -> PauseReply:
-        return self._run(replies.resume())
-
-    def snapshot(self, rank: int = 0) -> SnapshotReply:
-        return self._run(replies.snapshot(rank))
-
-    def pool_info(self, rank: int = 0) -> PoolInfo:
-        return self._run(replies.pool_info(rank))
-
-    def checksum(self, block_ids: Sequence[int], rank: int = 0) -> ChecksumReply:
-        return self._run(replies.checksum(block_ids, rank))
+    ping = _blocking(ops.ping)
+    stats = _blocking(ops.stats)
+    store = _blocking(ops.store)
+    release = _blocking(ops.release)
+    reset = _blocking(ops.reset)
+    pause = _blocking(ops.pause)
+    resume = _blocking(ops.resume)
+    snapshot = _blocking(ops.snapshot)
+    pool_info = _blocking(ops.pool_info)
+    checksum = _blocking(ops.checksum)
 
     def _run(self, call: Call[T]) -> T:
         return call.parse(self._call(call.op, **call.fields))
@@ -233,48 +224,16 @@ class AsyncControlClient(_Client[zmq.asyncio.Context]):
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    async def ping(self) -> PingReply:
-        return await self._run(replies.ping())
-
-    async def stats(self) -> StatsReply:
-        return await self._run(replies.stats())
-
-    async def store(
-        self,
-        request_id: RequestId,
-        token_ids: Sequence[int] | np.ndarray | bytes,
-        *,
-        rank: int = 0,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> StoreReply:
-        call = replies.store(
-            request_id, token_ids, rank=rank, lora_id=lora_id, lora_name=lora_name,
-            cache_salt=cache_salt,
-        )  # fmt: skip
-        return await self._run(call)
-
-    async def release(self, request_id: RequestId) -> ReleaseReply:
-        return await self._run(replies.release(request_id))
-
-    async def reset(self, rank: int | None = None, *, force: bool = False) -> ResetReply:
-        return await self._run(replies.reset(rank, force=force))
-
-    async def pause(self) -> PauseReply:
-        return await self._run(replies.pause())
-
-    async def resume(self) -> PauseReply:
-        return await self._run(replies.resume())
-
-    async def snapshot(self, rank: int = 0) -> SnapshotReply:
-        return await self._run(replies.snapshot(rank))
-
-    async def pool_info(self, rank: int = 0) -> PoolInfo:
-        return await self._run(replies.pool_info(rank))
-
-    async def checksum(self, block_ids: Sequence[int], rank: int = 0) -> ChecksumReply:
-        return await self._run(replies.checksum(block_ids, rank))
+    ping = _awaited(ops.ping)
+    stats = _awaited(ops.stats)
+    store = _awaited(ops.store)
+    release = _awaited(ops.release)
+    reset = _awaited(ops.reset)
+    pause = _awaited(ops.pause)
+    resume = _awaited(ops.resume)
+    snapshot = _awaited(ops.snapshot)
+    pool_info = _awaited(ops.pool_info)
+    checksum = _awaited(ops.checksum)
 
     async def _run(self, call: Call[T]) -> T:
         return call.parse(await self._call(call.op, **call.fields))

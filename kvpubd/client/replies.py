@@ -225,14 +225,17 @@ class Call(Generic[T]):
     parse: Callable[[ReplyMap], T]
 
 
-# The requests, one function per op (their keyword parameters are the protocol's fields).
+# The requests, one function per op (their parameters are the protocol's fields); the control
+# clients make each one a method that sends it and returns its typed reply.
 
 
 def ping() -> Call[PingReply]:
+    """The daemon's version, epoch (changes at every start), ranks and endpoints."""
     return Call("ping", {}, PingReply.parse)
 
 
 def stats() -> Call[StatsReply]:
+    """The counters of every rank."""
     return Call("stats", {}, StatsReply.parse)
 
 
@@ -245,6 +248,10 @@ def store(
     lora_name: str | None = None,
     cache_salt: str | None = None,
 ) -> Call[StoreReply]:
+    """Store a prompt on ``rank`` and pin its blocks until ``release(request_id)``. The
+    longest cached prefix is reused; ``lora_id``/``lora_name`` and ``cache_salt`` separate
+    prompts that must not share blocks. A NumPy array of token ids travels as packed uint32
+    bytes (the fast form)."""
     tokens: list[int] | bytes
     if isinstance(token_ids, np.ndarray):
         tokens = token_ids.astype("<u4").tobytes()  # the fast form: no per-token decoding
@@ -260,10 +267,13 @@ def store(
 
 
 def release(request_id: RequestId) -> Call[ReleaseReply]:
+    """Unpin the blocks of a stored request (they stay cached until evicted)."""
     return Call("release", {"request_id": request_id}, ReleaseReply.parse)
 
 
 def reset(rank: int | None = None, *, force: bool = False) -> Call[ResetReply]:
+    """Clear one rank's cache (default: all) and publish AllBlocksCleared at once; ``force``
+    drops requests that still pin blocks (otherwise the daemon answers ``busy``)."""
     fields: dict[str, object] = {"force": force}
     if rank is not None:
         fields["rank"] = rank
@@ -271,20 +281,26 @@ def reset(rank: int | None = None, *, force: bool = False) -> Call[ResetReply]:
 
 
 def pause() -> Call[PauseReply]:
+    """Stop the periodic drain (resets and snapshots still publish)."""
     return Call("pause", {}, PauseReply.parse)
 
 
 def resume() -> Call[PauseReply]:
+    """Restart the periodic drain."""
     return Call("resume", {}, PauseReply.parse)
 
 
 def snapshot(rank: int = 0) -> Call[SnapshotReply]:
+    """The rank's published cache, exactly as of its last batch (pending events go out
+    first)."""
     return Call("snapshot", {"rank": rank}, SnapshotReply.parse)
 
 
 def pool_info(rank: int = 0) -> Call[PoolInfo]:
+    """How to map the rank's block pool (``kvpubd.client.map_pool`` does it)."""
     return Call("pool_info", {"rank": rank}, PoolInfo.parse)
 
 
 def checksum(block_ids: Sequence[int], rank: int = 0) -> Call[ChecksumReply]:
+    """A 64-bit checksum of each block's bytes in the pool."""
     return Call("checksum", {"rank": rank, "block_ids": list(block_ids)}, ChecksumReply.parse)
