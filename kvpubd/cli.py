@@ -68,9 +68,8 @@ ControlOption = Annotated[
         "-c",
         # The variable that sets the daemon's own endpoint (the systemd unit and the image set it).
         envvar=CONTROL_ENDPOINT_ENV,
-        show_default=False,
-        help="Control endpoint of the daemon [default: the daemon's default ipc socket, "
-        f"{default_control_endpoint()}].",
+        show_default=f"the daemon's default ipc socket, {default_control_endpoint()}",
+        help="Control endpoint of the daemon.",
     ),
 ]
 TimeoutOption = Annotated[float, typer.Option(help="Seconds to wait for the daemon's reply.")]
@@ -168,7 +167,8 @@ def serve(
     log_level: Annotated[
         str | None,
         typer.Option(
-            help="debug, info, warning or error, in any case [default: service.log_level]."
+            help="debug, info, warning or error, in any case.",
+            show_default="service.log_level from the config",
         ),
     ] = None,
 ) -> None:
@@ -254,7 +254,9 @@ def keys(
 @app.command()
 def reset(
     control: ControlOption = None,
-    rank: Annotated[int | None, typer.Option(help="Reset only this rank [default: all].")] = None,
+    rank: Annotated[
+        int | None, typer.Option(help="Reset only this rank.", show_default="all")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Reset even while requests pin blocks.")] = False,
     timeout: TimeoutOption = 5.0,
     curve_key: CurveKeyOption = None,
@@ -358,12 +360,13 @@ def subscribe(
     ] = "tcp://127.0.0.1:5657",
     ranks: Annotated[int, typer.Option(help="How many data-parallel ranks to follow.")] = 1,
     rank: Annotated[
-        int | None, typer.Option(help="Follow only this rank [default: ranks 0..--ranks-1].")
+        int | None,
+        typer.Option(help="Follow only this rank.", show_default="ranks 0 to --ranks - 1"),
     ] = None,
     topic: Annotated[str, typer.Option(help="Topic prefix to subscribe to.")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per event.")] = False,
     count: Annotated[
-        int | None, typer.Option(help="Exit after this many events [default: run forever].")
+        int | None, typer.Option(help="Exit after this many events.", show_default="run forever")
     ] = None,
     timeout: Annotated[
         float, typer.Option(help="Seconds to wait for a replay or control reply.")
@@ -374,7 +377,8 @@ def subscribe(
             "--control",
             "-c",
             help="Control endpoint: checks the daemon's epoch on gaps and resynchronises from "
-            "its snapshot when replay no longer holds the missing history [default: off].",
+            "its snapshot when replay no longer holds the missing history.",
+            show_default="off",
         ),
     ] = None,
     curve_key: CurveKeyOption = None,
