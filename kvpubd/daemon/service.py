@@ -523,14 +523,22 @@ def _create_metrics(service: Service) -> Metrics:
 
 
 def _answers_ping(endpoint: str) -> bool:
-    from kvpubd.client import ControlClient, ControlTimeout
+    """Whether a daemon answers a ping there (with a bare DEALER: the daemon never imports
+    the client library)."""
+    import msgpack
 
-    with ControlClient(endpoint, timeout=0.5) as client:
-        try:
-            client.ping()
-        except ControlTimeout:
-            return False
-        return True
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", msgpack.packb({"op": "ping"})], zmq.NOBLOCK)
+        return bool(sock.poll(500))
+    except zmq.ZMQError:  # nothing listening: the message could not even be queued
+        return False
+    finally:
+        sock.close()
+        context.term()
 
 
 def _replay_pump(publisher: Publisher) -> Callable[[], None]:
