@@ -54,8 +54,9 @@ def chain_hashes(
 def reference_chain(
     tokens: list[int], lora_id: int | None = None, salt: str | None = None
 ) -> list[int]:
-    """The u64 wire hashes of the full blocks of ``tokens``, computed from DESIGN.md's chain
-    with hashlib and struct alone (independent of kvpubd.protocol.hashing but for the root key)."""
+    """The u64 wire hashes of the full blocks of ``tokens``, computed from the README's chain
+    ("Block hashes") with hashlib and struct alone (independent of kvpubd.protocol.hashing but
+    for the root key)."""
     prev = root_key(lora_id, salt)
     out = []
     for i in range(len(tokens) // BLOCK_SIZE):
