@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,7 +90,6 @@ ServerKeyOption = Annotated[
         help="The daemon's public certificate (NAME.key), for a daemon with CURVE on.",
     ),
 ]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
 def _endpoint(option: str, value: str) -> str:
@@ -120,14 +120,13 @@ def _client(
     timeout: float,
     curve_key: Path | None,
     server_key: Path | None,
-    what: str = "--timeout",
 ) -> ControlClient:
     """A control client for a command, every argument checked first (exit 2 when wrong)."""
     from_env = control is not None and control == os.environ.get(CONTROL_ENDPOINT_ENV)
     endpoint = _endpoint(
         CONTROL_ENDPOINT_ENV if from_env else "--control", control or default_control_endpoint()
     )
-    check_positive(what, timeout)
+    check_positive("--timeout", timeout)
     curve = _curve(curve_key, server_key)
     from kvpubd.client import ControlClient
 
@@ -421,7 +420,7 @@ def _print_events(
     timeout: float,
     control: ControlClient | None,
 ) -> None:
-    from kvpubd.client import ControlError, Subscriber, SubscriberError
+    from kvpubd.client import ControlError, ControlTimeout, Subscriber, SubscriberError
 
     def note(message: str) -> None:
         typer.echo(f"# {message}", err=True)
@@ -456,8 +455,12 @@ def _print_events(
                 except TimeoutError as exc:
                     # As the library does: the request is kept and asked again.
                     if not waiting:
-                        note(f"waiting for the daemon: {exc}")
+                        hint = ""
+                        if isinstance(exc, ControlTimeout) and control is not None:
+                            hint = f" ({_unreachable_hint(control.endpoint, control.curve)})"
+                        note(f"waiting for the daemon: {exc}{hint}")
                         waiting = True
+                    time.sleep(0.2)  # a missing socket fails at once: do not spin
                     continue
                 finally:
                     first = False
