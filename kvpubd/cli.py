@@ -170,6 +170,14 @@ def serve(
             show_default="service.log_level from the config",
         ),
     ] = None,
+    kv_events_config: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-events-config",
+            help="vLLM's --kv-events-config JSON (or @file): its fields set [events] over "
+            "--config; KVPUBD_* env still wins.",
+        ),
+    ] = None,
 ) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
     import logging
@@ -177,7 +185,7 @@ def serve(
     import zmq
 
     from kvpubd.daemon.pool import check_device
-    from kvpubd.daemon.service import StartupError, run
+    from kvpubd.daemon.service import StartupError, TaskFailed, run
     from kvpubd.protocol.auth import check_curve_settings
     from kvpubd.protocol.config import (
         ConfigError,
@@ -186,10 +194,12 @@ def serve(
         log_level_option,
         unknown_env,
     )
+    from kvpubd.protocol.vllm_config import load_kv_events_config
 
     try:
         level = log_level_option(log_level) if log_level is not None else None
-        settings = load_settings(config)
+        vllm = load_kv_events_config(kv_events_config) if kv_events_config else None
+        settings = load_settings(config, {"events": vllm.events} if vllm else None)
         check_device(settings.cache.device)
         check_curve_settings(settings.control)
     except ConfigError as exc:
@@ -212,10 +222,14 @@ def serve(
     )
     for message in unknown_env(os.environ):
         log.warning("%s", message)
+    if vllm is not None:
+        log.info("%s", vllm.describe())
     try:
         run(settings)
     except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use
         raise fail(f"cannot start: {exc}") from None
+    except TaskFailed as exc:
+        raise fail(f"stopped: {exc}") from None
 
 
 @app.command()
@@ -441,10 +455,11 @@ def _print_events(
                 f"gap on rank {rank}: seqs {first}..{seq - 1} missing, repairing through {repair}"
             ),
             on_resync=lambda rank, seq: note(
-                f"rank {rank}: history gone; resynchronised from the snapshot at seq {seq}"
+                f"rank {rank}: history gone; mirror rebuilt (snapshot or reset marker) at seq {seq}"
             ),
             on_restart=lambda rank, reason: note(
-                f"rank {rank}: daemon restart ({reason}); following the new run from seq 0"
+                f"rank {rank}: daemon restart ({reason}); following the new run from its "
+                "first retained batch"
             ),
         ) as subscriber:
             lost = dict.fromkeys(subscriber.ranks, 0)

@@ -252,6 +252,26 @@ BAD_MAPS: dict[str, tuple[dict[Any, Any], set[str]]] = {
         store(token_ids=list(range(MAX_TOKENS + 1))),
         {"too_large"},
     ),
+    "store lora_name 257 chars": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "lora_name": "x" * 257},
+        {"bad_request"},
+    ),
+    "store cache_salt 1025 chars": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "cache_salt": "s" * 1025},
+        {"bad_request"},
+    ),
+    "store request_id 257 chars": (
+        {"op": "store", "request_id": "r" * 257, "token_ids": [1] * 16},
+        {"bad_request"},
+    ),
+    "store request_id 2^63": (
+        {"op": "store", "request_id": 1 << 63, "token_ids": [1] * 16},
+        {"bad_request"},
+    ),
+    "store lora_id 2^64-1": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "lora_id": (1 << 64) - 1},
+        {"bad_request"},
+    ),
     "release request_id float": ({"op": "release", "request_id": 1.5}, {"bad_request"}),
     "release request_id nil": ({"op": "release", "request_id": None}, {"bad_request"}),
     "release request_id missing": ({"op": "release"}, {"bad_request"}),
@@ -368,6 +388,21 @@ def test_store_over_token_limit_is_too_large(probe: Probe) -> None:
     reply = probe.client.store("at-limit", [7] * MAX_TOKENS)
     assert len(reply.block_ids) == MAX_TOKENS // BLOCK_SIZE
     probe.client.release("at-limit")
+
+
+def test_store_over_block_limit_is_too_large(start_daemon: DaemonFactory) -> None:
+    """A store covering more than control.max_blocks_per_store full blocks is too_large and
+    changes nothing; one at the limit (plus a partial tail) is accepted."""
+    daemon = start_daemon(control={"max_blocks_per_store": 2})
+    with daemon.client() as client:
+        before = client.stats().ranks
+        with pytest.raises(ControlError) as refused:
+            client.store("three", [5] * (3 * BLOCK_SIZE))
+        assert refused.value.code == "too_large"
+        assert "max_blocks_per_store" in refused.value.message
+        assert client.stats().ranks == before
+        reply = client.store("two", [5] * (3 * BLOCK_SIZE - 1))
+        assert len(reply["block_ids"]) == 3  # two full blocks and the tail
 
 
 NO_REPLY: dict[str, list[bytes]] = {

@@ -193,9 +193,10 @@ async def test_daemons_in_one_process_keep_their_own_metrics(tmp_path: Path) -> 
         for service in services:
             await service.startup()
         store = {"op": "store", "id": 1, "request_id": "r", "token_ids": list(range(48))}
-        reply = services[0].handle_frames([b"peer", b"", msgpack.packb(store)])
+        assert services[0].control is not None
+        reply = services[0].control.handle_frames([b"peer", b"", msgpack.packb(store)])
         assert reply is not None and msgpack.unpackb(reply)["ok"]
-        services[0].ranks[0].flush()
+        services[0].pipelines[0].flush()
         found = [
             samples((await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics"))[1])
             for port in ports

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from kvpubd.daemon.published import PublishedRecord
 from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 
@@ -18,7 +19,7 @@ class EventSink:
         self._pending: list[Event] = []
         self._budget = max_events_per_tick
         # Published and not yet removed, in publication order (parents before children).
-        self.published: dict[int, None] = {}
+        self.published = PublishedRecord()
         self.dropped_stores = 0
 
     @property
@@ -47,9 +48,7 @@ class EventSink:
         if count == 0:
             return
         self._budget -= count
-        published = self.published
-        for block_id in block_ids[:count]:
-            published[block_id] = None
+        self.published.add(block_ids[:count])
         self._pending.append(
             BlockStored(
                 hashes[:count],
@@ -64,21 +63,17 @@ class EventSink:
 
     def removed(self, blocks: Iterable[tuple[int, BlockHash]]) -> None:
         """Capture removals; only blocks whose store was published are named."""
-        published = self.published
-        hashes = []
-        for block_id, block_hash in blocks:
-            if block_id in published:
-                del published[block_id]
-                hashes.append(block_hash)
+        discard = self.published.discard
+        hashes = [block_hash for block_id, block_hash in blocks if discard(block_id)]
         if hashes:
             self._pending.append(BlockRemoved(hashes, self.medium))
 
-    def cleared(self) -> dict[int, None]:
+    def cleared(self) -> PublishedRecord:
         """Append the reset marker after everything captured; it never counts against the cap.
         Forget what was published, so a repopulated prefix is reported again. Returns the old
         record, whose deallocation (O(blocks)) the caller may defer past the reset reply."""
         self._pending.append(AllBlocksCleared())
-        old, self.published = self.published, {}
+        old, self.published = self.published, PublishedRecord()
         self._budget = self.max_events_per_tick
         return old
 

@@ -70,6 +70,15 @@ class EventsConfig(_Section):
     flush_on_reset: bool = True
     # Replays streamed at once per rank; more requests get no answer and are retried.
     max_replays: int = Field(64, ge=1, le=10_000)
+    # A replay from before the oldest retained batch starts with one batch holding
+    # AllBlocksCleared and the whole cache; off: it gets only what the ring holds.
+    replay_snapshot: bool = True
+    # First seq of each run: "clock" (wall clock in microseconds: a restart is a forward jump,
+    # which consumers that keep the last seq they applied follow) or "zero" (every run at 0).
+    seq_origin: Literal["clock", "zero"] = "clock"
+    # An idle rank publishes an empty batch after this long without one (0: never), so a
+    # consumer that missed a batch or joined an idle daemon finds out within one interval.
+    heartbeat_ms: int = Field(2000, ge=0, le=3_600_000)
 
     @field_validator("endpoint")
     @classmethod
@@ -86,6 +95,9 @@ class ControlConfig(_Section):
     endpoint: str = Field(default_factory=default_control_endpoint)
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_tokens_per_request: int = Field(1_000_000, ge=1)
+    # New blocks one store may add: its work runs in one loop step (about 3 us per block),
+    # so this bounds how long a store can hold a reset back.
+    max_blocks_per_store: int = Field(16_384, ge=1)
     # CURVE authentication: the daemon's secret certificate and a directory of the public
     # certificates of the clients it admits (both, or neither for no authentication).
     curve_secret_key: str = ""
@@ -213,8 +225,11 @@ class Settings(BaseSettings):
         return "CPU" if self.cache.device == "cpu" else "GPU"
 
 
-def load_settings(path: Path | None = None) -> Settings:
-    """Read the TOML file (if any), apply KVPUBD_* overrides, validate; raise ConfigError."""
+def load_settings(
+    path: Path | None = None, overrides: dict[str, dict[str, Any]] | None = None
+) -> Settings:
+    """Read the TOML file (if any), apply ``overrides`` (section -> key -> value) over it, then
+    KVPUBD_* environment variables over both; validate; raise ConfigError."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -226,6 +241,9 @@ def load_settings(path: Path | None = None) -> Settings:
             raise ConfigError(f"config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    for section, values in (overrides or {}).items():
+        current = data.get(section)
+        data[section] = {**(current if isinstance(current, dict) else {}), **values}
     try:
         return Settings(**data)
     except ValidationError as exc:
