@@ -379,22 +379,22 @@ def soak(start_daemon: DaemonFactory, seconds: float, seed: int) -> None:
                 client.release(request_id)
             for sub, ranks in zip(subs, followed, strict=True):
                 assert_mirror_is_snapshot(sub, client, ranks)
-            stats = {r["rank"]: r for r in client.stats()["ranks"]}
+            stats = {r.rank: r for r in client.stats().ranks}
         for i, (sub, record, ranks) in enumerate(zip(subs, records, followed, strict=True)):
             for rank in ranks:
                 c = sub.rank_counters(rank)
                 published = stats[rank]
-                assert record.seqs(rank) == list(range(published["seq"] + 1)), (
+                assert record.seqs(rank) == list(range(published.seq + 1)), (
                     f"subscriber {i} rank {rank}: a batch was lost or delivered twice"
                 )
-                assert c.events == published["events_published"]
+                assert c.events == published.events_published
                 assert (c.lost, c.violations, c.resyncs, c.restarts) == (0, 0, 0, 0)
         slow = subs[1].counters
         assert slow.gaps_repaired == slow.gaps >= 1, "the stalled subscriber lost nothing"
         report(
             f"soak {seconds:.0f} s",
             **operations,
-            batches={r: stats[r]["seq"] + 1 for r in (0, 1)},
+            batches={r: stats[r].seq + 1 for r in (0, 1)},
             gaps_repaired=[s.counters.gaps_repaired for s in subs],
             duplicates=[s.counters.duplicates for s in subs],
             gaps=[s.counters.gaps for s in subs],

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvpubd.client import ControlError, Mirror, replay
+from kvpubd.client import ControlError, Marker, Mirror, ResetReply, SnapshotReply, replay
 from kvpubd.protocol.config import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, AllBlocksCleared
 from kvpubd.tools.bench_load import Load, LoadSpec
@@ -26,9 +26,9 @@ TINY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
 BOUND_S = 20.0  # a bound against hanging, far above anything a healthy daemon needs
 
 
-def assert_marker_published(tap: Tap, marker: dict[str, Any]) -> None:
-    tap.through({marker["rank"]: marker["seq"]}, timeout=BOUND_S)
-    batch = tap.batch(marker["rank"], marker["seq"])
+def assert_marker_published(tap: Tap, marker: Marker) -> None:
+    tap.through({marker.rank: marker.seq}, timeout=BOUND_S)
+    batch = tap.batch(marker.rank, marker.seq)
     assert any(isinstance(e, AllBlocksCleared) for e in batch.batch.events)
 
 
@@ -80,14 +80,14 @@ def test_replay_flood_never_read_holds_back_no_reset(start_daemon: DaemonFactory
             load.run()
             assert load.wait_active(0, BOUND_S)
             wait_for(
-                lambda: client.stats()["ranks"][0]["replay_requests"] > 0,
+                lambda: client.stats().ranks[0].replay_requests > 0,
                 BOUND_S,
                 "the flood to reach the daemon",
             )
-            (marker,) = client.reset(force=True)
+            (marker,) = client.reset(force=True).markers
             assert_marker_published(tap, marker)
             reply = client.store("after-flood", prompt(7, 2))
-            assert len(reply["block_ids"]) == 2
+            assert len(reply.block_ids) == 2
             assert daemon.stop(timeout=BOUND_S) == 0
 
 
@@ -124,15 +124,16 @@ def test_reset_goes_ahead_of_a_large_snapshot(start_daemon: DaemonFactory) -> No
         assert order.index("reset") < order.index("snap"), order
         reset, snap = (next(r for r in replies if r["id"] == i) for i in ("reset", "snap"))
         assert reset["ok"] and snap["ok"]
-        (marker,) = reset["markers"]
+        (marker,) = ResetReply.parse(reset).markers
         assert_marker_published(tap, marker)
         # The snapshot is the mirror of everything published up to its seq.
+        snapshot = SnapshotReply.parse(snap)
         mirror = Mirror(BLOCK_SIZE)
         for received in sorted(tap.history, key=seq_key):
-            if received.seq <= snap["seq"]:
+            if received.seq <= snapshot.seq:
                 mirror.apply(received.batch.events)
-        assert mirror.blocks == snapshot_blocks(snap)
-        if snap["seq"] < marker["seq"]:
+        assert mirror.blocks == snapshot_blocks(snapshot)
+        if snapshot.seq < marker.seq:
             assert len(mirror.blocks) >= blocks
         else:
             assert mirror.blocks == {}
@@ -144,7 +145,7 @@ def test_huge_strings_are_refused_and_change_nothing(daemon: Daemon, field: str)
     one clear line naming the field; the cache, the stream and open requests stay as they
     were."""
     with daemon.client() as client:
-        before = client.stats()["ranks"][0]
+        before = client.stats().ranks[0]
         fields: dict[str, Any] = {"request_id": "huge"}
         fields[field] = "x" * (1 << 20)
         request_id = fields.pop("request_id")
@@ -153,9 +154,9 @@ def test_huge_strings_are_refused_and_change_nothing(daemon: Daemon, field: str)
         assert refused.value.code in {"too_large", "bad_request"}
         assert field in refused.value.message and "\n" not in refused.value.message
         assert len(refused.value.message) < 300
-        after = client.stats()["ranks"][0]
+        after = client.stats().ranks[0]
         for key in ("seq", "blocks_cached", "blocks_used", "requests_open", "events_pending"):
-            assert after[key] == before[key], key
+            assert getattr(after, key) == getattr(before, key), key
         with pytest.raises(ControlError) as unknown:
             client.release("huge")
         assert unknown.value.code == "unknown_request"
@@ -168,13 +169,13 @@ def test_store_over_the_token_limit_is_refused(start_daemon: DaemonFactory, form
     if form == "bytes":
         tokens = np.arange(4097, dtype="<u4")
     with daemon.client() as client:
-        before = client.stats()["ranks"][0]
+        before = client.stats().ranks[0]
         with pytest.raises(ControlError) as refused:
             client.store("over", tokens)
         assert refused.value.code == "too_large" and "4096" in refused.value.message
-        after = client.stats()["ranks"][0]
+        after = client.stats().ranks[0]
         for key in ("seq", "blocks_cached", "requests_open"):
-            assert after[key] == before[key], key
+            assert getattr(after, key) == getattr(before, key), key
 
 
 def test_maximal_store_and_a_concurrent_reset_are_both_answered(
@@ -220,7 +221,7 @@ def test_any_start_seq_gets_an_end_marker(daemon: Daemon, start_seq: int) -> Non
         for i in range(5):
             client.store(f"r{i}", prompt(i, 2))
             client.release(f"r{i}")
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
     endpoint = rank_endpoint(daemon.replay_endpoint, 0)
     everything = list(range(replay(endpoint, 0, timeout=BOUND_S)[0][0], last + 1))
     assert replay(endpoint, start_seq, timeout=BOUND_S) == []

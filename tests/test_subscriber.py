@@ -386,7 +386,7 @@ def test_connect_replays_from_zero(daemon: Daemon, form: str) -> None:
         sub = subscriber(form, daemon, record)
         try:
             got = sub.catch_up()
-            assert [(b.seq, b.replayed) for b in got] == [(s, True) for s in range(snap["seq"] + 1)]
+            assert [(b.seq, b.replayed) for b in got] == [(s, True) for s in range(snap.seq + 1)]
             assert isinstance(got[0].batch.events[0], AllBlocksCleared)
             assert_mirror_is_snapshot(sub, client, [0])
             assert sub.epoch == daemon.epoch
@@ -407,7 +407,7 @@ def test_live_batches_already_replayed_are_duplicates(daemon: Daemon) -> None:
         assert before is not None
         for _ in range(5):
             store_released(client, unique_prompt(1))
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
         sub.catch_up()  # replays them while their live copies are on the way
         assert sub.last_seq(0) == last
         pump(sub, lambda: sub.counters.duplicates >= last - before, what="the live copies")
@@ -431,7 +431,7 @@ def test_connect_after_history_is_gone_resyncs(start_daemon: DaemonFactory, form
         sub = subscriber(form, daemon, record)
         try:
             assert sub.catch_up() == []
-            assert record.resyncs == [(0, client.snapshot()["seq"])]
+            assert record.resyncs == [(0, client.snapshot().seq)]
             assert sub.rank_counters(0).lost == 0
             store_released(client, unique_prompt(2))
             assert_mirror_is_snapshot(sub, client, [0])
@@ -450,7 +450,7 @@ def test_connect_after_history_is_gone_replays_the_snapshot_batch(
     with daemon.client() as client:
         for _ in range(10):
             store_released(client, unique_prompt(2))
-            last = client.snapshot()["seq"]
+            last = client.snapshot().seq
         sub = subscriber(form, daemon, record, control=None)
         try:
             (batch,) = sub.catch_up()
@@ -487,7 +487,7 @@ def test_idle_check_finds_a_tail_the_pub_dropped(start_daemon: DaemonFactory) ->
         go_live(sub, client, [0])
         for _ in range(1500):
             store_released(client, unique_prompt(8))
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
         pump(sub, lambda: sub.last_seq(0) == last, what="the tail")
         assert sub.counters.replayed > 1  # the tail came through replay
         assert sub.counters.gaps == 0  # no later live batch revealed it
@@ -503,7 +503,7 @@ async def test_async_subscriber_iterates(daemon: Daemon) -> None:
         with daemon.client() as client:
             for _ in range(20):
                 store_released(client, unique_prompt(2))
-            target.append(client.snapshot()["seq"] + 1)
+            target.append(client.snapshot().seq + 1)
             store_released(client, unique_prompt(1))  # published once the target is known
 
     seen: list[Received] = []
@@ -520,7 +520,7 @@ async def test_async_subscriber_iterates(daemon: Daemon) -> None:
         await asyncio.gather(asyncio.to_thread(load), asyncio.wait_for(follow(), timeout=20))
         with daemon.client() as client:
             snap = client.snapshot()
-        assert sub.last_seq(0) == snap["seq"] == target[0]
+        assert sub.last_seq(0) == snap.seq == target[0]
         mirror = sub.mirror(0)
         assert mirror is not None and mirror.blocks == snapshot_blocks(snap)
     assert [b.seq for b in seen] == list(range(len(seen)))
@@ -543,7 +543,7 @@ def history_beyond_the_buffer(daemon: Daemon) -> int:
     with daemon.client() as client:
         for _ in range(10):
             store_released(client, unique_prompt(2))
-            seq = client.snapshot()["seq"]
+            seq = client.snapshot().seq
     return seq
 
 

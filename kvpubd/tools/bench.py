@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvpubd.exits import USAGE, check_positive, fail, warn
 from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
@@ -116,7 +117,7 @@ class ResetProbe:
             self.recv_reply()
         # Let the drain loop publish everything captured, and read it, so a reset's batch
         # holds the marker alone.
-        while self.client.stats()["ranks"][rank]["events_pending"]:
+        while self.client.stats().ranks[rank].events_pending:
             self.drain_sub(0.01)
 
     def drain_sub(self, quiet_s: float) -> None:
@@ -265,6 +266,34 @@ def measure_resets(
         finally:
             probe.close()
     return results
+
+
+# Fewer resets per size than this give percentiles that mean little.
+MIN_RESETS = 100
+
+
+def _cache_sizes(text: str) -> list[int]:
+    """``--sizes``: comma-separated block counts >= 0 (at least one)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise fail(f"--sizes: {text!r} is not a comma-separated list of block counts >= 0", USAGE)
+    return [int(part) for part in parts]
+
+
+def _check_device(device: str) -> None:
+    """``--device``: cpu, or cuda:N with CuPy and that GPU here (one line otherwise)."""
+    from kvpubd.daemon.pool import check_device
+    from kvpubd.protocol.config import CacheConfig, ValidationError
+
+    try:
+        CacheConfig(device=device)
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise fail(f"--device: {message}", USAGE) from None
+    try:
+        check_device(device)
+    except ValueError as exc:
+        raise fail(f"--device: {exc}", USAGE) from None
 
 
 def _reset_phase(
@@ -443,8 +472,8 @@ def bench_reset(
     sizes: Annotated[
         str | None,
         typer.Option(
-            help="Cached blocks before each reset, comma-separated "
-            "[default: 0,10000,100000,1000000; with --under 0,100000]."
+            help="Cached blocks before each reset, comma-separated.",
+            show_default="0,10000,100000,1000000; with --under 0,100000",
         ),
     ] = None,
     resets: Annotated[
@@ -488,10 +517,18 @@ def bench_reset(
         from kvpubd.tools.bench_load import LOADS
 
         if under not in LOADS:
-            err.print(f"kvpubd: --under {under!r}: not a load; choose from {', '.join(LOADS)}")
-            raise typer.Exit(2)
-    default_sizes = "0,100000" if under else "0,10000,100000,1000000"
-    size_list = [int(s) for s in (sizes or default_sizes).split(",") if s.strip()]
+            raise fail(f"--under: {under!r} is not a load; choose from {', '.join(LOADS)}", USAGE)
+    size_list = _cache_sizes(sizes or ("0,100000" if under else "0,10000,100000,1000000"))
+    check_positive("--resets", resets, integer=True)
+    check_positive("--reset-timeout", reset_timeout)
+    if not 0 <= idle_ms < float("inf"):
+        raise fail(f"--idle-ms: {idle_ms} is not a number of milliseconds >= 0", USAGE)
+    _check_device(device)
+    if resets < MIN_RESETS:
+        warn(
+            f"{resets} resets per size is too small a sample for a p99 (or a stable p50); "
+            f"use --resets {MIN_RESETS} or more"
+        )
     if under is not None:
         with Progress(console=err, transient=True) as progress:
             result = measure_under(
@@ -712,6 +749,8 @@ def bench_index(
     ] = False,
 ) -> None:
     """Radix index ops/s (store/match/evict mix) and RSS bytes per cached block."""
+    for option, value in (("--blocks", blocks), ("--chain", chain), ("--rounds", rounds)):
+        check_positive(option, value, integer=True)
     with err.status(f"building and exercising an index of {blocks:,} blocks"):
         result = measure_index(blocks, chain, rounds)
     if as_json:
@@ -836,6 +875,12 @@ def bench_publisher(
 ) -> None:
     """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
     loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB."""
+    for option, value in (
+        ("--batches", batches),
+        ("--events-per-batch", events_per_batch),
+        ("--rounds", rounds),
+    ):
+        check_positive(option, value, integer=True)
     with err.status(f"publishing {rounds} x {batches} batches, ours and the floor"):
         result = measure_publisher(batches, events_per_batch, rounds)
     if as_json:
@@ -941,10 +986,10 @@ def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str,
                 probe.recv_reply()
                 in_flight -= 1
             sent_all = time.monotonic()
-            stats = probe.client.stats()["ranks"][0]
-            while stats["events_pending"]:
-                stats = probe.client.stats()["ranks"][0]
-            control_side.send(stats["seq"])
+            stats = probe.client.stats().ranks[0]
+            while stats.events_pending:
+                stats = probe.client.stats().ranks[0]
+            control_side.send(stats.seq)
             counted = results_in.recv()
         finally:
             probe.close()
@@ -957,7 +1002,7 @@ def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str,
         "requests": requests,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
-        "dropped_stored_blocks": stats["dropped_stored_blocks"],
+        "dropped_stored_blocks": stats.dropped_stored_blocks,
     }
 
 
@@ -974,6 +1019,12 @@ def bench_throughput(
 ) -> None:
     """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
     blocks decoded by a subscriber in another process, blocks/s, with the gaps it saw."""
+    for option, value in (
+        ("--requests", requests),
+        ("--window", window),
+        ("--num-blocks", num_blocks),
+    ):
+        check_positive(option, value, integer=True)
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(requests, window, num_blocks)
     if as_json:
