@@ -49,4 +49,4 @@ class Daemon(DaemonProcess):
     def first_seq(self, rank: int = 0) -> int:
         """The seq of the rank's first batch in this run (its start-up marker)."""
         with self.client() as client:
-            return int(client.stats()["ranks"][rank]["first_seq"])
+            return int(client.stats().ranks[rank].first_seq)

@@ -79,7 +79,7 @@ def follows(sub: Subscriber, daemon: Daemon) -> bool:
         snap = client.snapshot()
     mirror = sub.mirror(0)
     return (
-        sub.last_seq(0) == snap["seq"]
+        sub.last_seq(0) == snap.seq
         and sub.synced(0)
         and mirror is not None
         and mirror.blocks == snapshot_blocks(snap)
@@ -108,7 +108,7 @@ def test_clock_origin_starts_each_run_above_the_last(start_daemon: DaemonFactory
     with daemon.client() as client:
         for _ in range(5):
             store_released(client, unique_prompt(1))
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
     assert last > first
     daemon.stop(signal.SIGKILL)
     daemon.start()
@@ -176,7 +176,7 @@ def test_restart_hidden_by_a_cut_off_is_found_by_the_overlap(
         daemon.stop(signal.SIGKILL)
         daemon.start()
         with daemon.client() as client:
-            while (seq := client.snapshot()["seq"]) <= old_last + 3:  # one batch each
+            while (seq := client.snapshot().seq) <= old_last + 3:  # one batch each
                 store_released(client, unique_prompt(1))
         wait_for(lambda: relay.seen >= seq, what="the relay to drop the new run's batches")
         relay.open.set()
@@ -211,8 +211,8 @@ def test_a_subscriber_joining_an_idle_daemon_hears_a_heartbeat(
     assert (topic, events, rank) == (b"", [], 0) and isinstance(ts, float)
     assert seq > daemon.first_seq()
     with daemon.client() as client:
-        stats = client.stats()["ranks"][0]
-    assert stats["batches"] == stats["seq"] - stats["first_seq"] + 1 >= 2
+        stats = client.stats().ranks[0]
+    assert stats.batches_published == stats.seq - stats.first_seq + 1 >= 2
     with Subscriber(daemon.events_endpoint, daemon.replay_endpoint) as sub:
         replayed = {b.seq: b.payload for b in sub.catch_up()}
     assert replayed[seq] == payload
@@ -228,7 +228,7 @@ def test_a_heartbeat_reveals_a_missed_reset_marker(relayed: tuple[Daemon, Relay]
             store_released(client, unique_prompt(2))
             go_live_quietly(sub, daemon)
             relay.open.clear()
-            marker = client.reset()[0]["seq"]
+            marker = client.reset().markers[0].seq
             wait_for(lambda: relay.seen >= marker, what="the relay to drop the marker")
             relay.open.set()
         pump(sub, lambda: (sub.last_seq(0) or 0) > marker, what="the heartbeat after the reset")

@@ -387,7 +387,7 @@ def test_connect_replays_from_zero(daemon: Daemon, form: str) -> None:
         sub = subscriber(form, daemon, record)
         try:
             got = sub.catch_up()
-            every = range(daemon.first_seq(), snap["seq"] + 1)
+            every = range(daemon.first_seq(), snap.seq + 1)
             assert [(b.seq, b.replayed) for b in got] == [(s, True) for s in every]
             assert isinstance(got[0].batch.events[0], AllBlocksCleared)
             assert_mirror_is_snapshot(sub, client, [0])
@@ -409,7 +409,7 @@ def test_live_batches_already_replayed_are_duplicates(daemon: Daemon) -> None:
         assert before is not None
         for _ in range(5):
             store_released(client, unique_prompt(1))
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
         sub.catch_up()  # replays them while their live copies are on the way
         assert sub.last_seq(0) == last
         pump(sub, lambda: sub.counters.duplicates >= last - before, what="the live copies")
@@ -421,9 +421,10 @@ def test_live_batches_already_replayed_are_duplicates(daemon: Daemon) -> None:
 
 @pytest.mark.parametrize("form", FORMS)
 def test_connect_after_history_is_gone_resyncs(start_daemon: DaemonFactory, form: str) -> None:
-    """When the replay buffer no longer holds seq 0, the first replay starts above it: the
-    subscriber loads the snapshot instead, and follows live from there."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    """When the replay buffer no longer holds seq 0 (and replay sends no snapshot batch), the
+    first replay starts above it: the subscriber loads the snapshot instead, and follows live
+    from there."""
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     record = Record()
     with daemon.client() as client:
         for _ in range(10):
@@ -432,8 +433,33 @@ def test_connect_after_history_is_gone_resyncs(start_daemon: DaemonFactory, form
         sub = subscriber(form, daemon, record)
         try:
             assert sub.catch_up() == []
-            assert record.resyncs == [(0, client.snapshot()["seq"])]
+            assert record.resyncs == [(0, client.snapshot().seq)]
             assert sub.rank_counters(0).lost == 0
+            store_released(client, unique_prompt(2))
+            assert_mirror_is_snapshot(sub, client, [0])
+        finally:
+            sub.close()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_connect_after_history_is_gone_replays_the_snapshot_batch(
+    start_daemon: DaemonFactory, form: str
+) -> None:
+    """By default the replay itself answers with the whole state: one batch at the last seq,
+    the marker then every cached block, parents first; no control snapshot is needed."""
+    daemon = start_daemon(events={"buffer_steps": 4})
+    record = Record()
+    with daemon.client() as client:
+        for _ in range(10):
+            store_released(client, unique_prompt(2))
+            last = client.snapshot().seq
+        sub = subscriber(form, daemon, record, control=None)
+        try:
+            (batch,) = sub.catch_up()
+            assert batch.seq == last and batch.replayed
+            assert isinstance(batch.batch.events[0], AllBlocksCleared)
+            assert sub.rank_counters(0).lost == 0
+            assert_mirror_is_snapshot(sub, client, [0])
             store_released(client, unique_prompt(2))
             assert_mirror_is_snapshot(sub, client, [0])
         finally:
@@ -463,7 +489,7 @@ def test_idle_check_finds_a_tail_the_pub_dropped(start_daemon: DaemonFactory) ->
         go_live(sub, client, [0])
         for _ in range(1500):
             store_released(client, unique_prompt(8))
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
         pump(sub, lambda: sub.last_seq(0) == last, what="the tail")
         assert sub.counters.replayed > 1  # the tail came through replay
         assert sub.counters.gaps == 0  # no later live batch revealed it
@@ -479,7 +505,7 @@ async def test_async_subscriber_iterates(daemon: Daemon) -> None:
         with daemon.client() as client:
             for _ in range(20):
                 store_released(client, unique_prompt(2))
-            target.append(client.snapshot()["seq"] + 1)
+            target.append(client.snapshot().seq + 1)
             store_released(client, unique_prompt(1))  # published once the target is known
 
     seen: list[Received] = []
@@ -496,7 +522,7 @@ async def test_async_subscriber_iterates(daemon: Daemon) -> None:
         await asyncio.gather(asyncio.to_thread(load), asyncio.wait_for(follow(), timeout=20))
         with daemon.client() as client:
             snap = client.snapshot()
-        assert sub.last_seq(0) == snap["seq"] == target[0]
+        assert sub.last_seq(0) == snap.seq == target[0]
         mirror = sub.mirror(0)
         assert mirror is not None and mirror.blocks == snapshot_blocks(snap)
     first = daemon.first_seq()
@@ -520,14 +546,15 @@ def history_beyond_the_buffer(daemon: Daemon) -> int:
     with daemon.client() as client:
         for _ in range(10):
             store_released(client, unique_prompt(2))
-            seq = client.snapshot()["seq"]
+            seq = client.snapshot().seq
     return seq
 
 
 def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFactory) -> None:
     """`subscribe --control` against a daemon whose history is gone reports the resync on
-    stderr, then prints what follows the snapshot's seq."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    stderr, then prints what follows the snapshot's seq (a daemon whose replay does not answer
+    with a snapshot batch)."""
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     last = history_beyond_the_buffer(daemon)
     proc = subprocess.Popen(
         [
@@ -568,7 +595,7 @@ def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFact
 
 def test_cli_subscribe_without_control_reports_the_loss(start_daemon: DaemonFactory) -> None:
     """Without --control the same hole is reported as lost, and the retained batches print."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     last = history_beyond_the_buffer(daemon)
     result = cli_subscribe(daemon, "--count", "4")
     assert result.returncode == 0, result.stderr
@@ -576,6 +603,22 @@ def test_cli_subscribe_without_control_reports_the_loss(start_daemon: DaemonFact
     assert "1 batch(es) lost" in result.stderr, result.stderr
     printed = [json.loads(x)["seq"] for x in result.stdout.splitlines()]
     assert printed == list(range(last - 3, last + 1))
+
+
+def test_cli_subscribe_late_join_prints_the_whole_cache(start_daemon: DaemonFactory) -> None:
+    """Joining after the buffer wrapped, without --control: the replay's snapshot batch (seq
+    of the last batch) prints the marker and every cached block; nothing is reported lost."""
+    daemon = start_daemon(events={"buffer_steps": 4})
+    last = history_beyond_the_buffer(daemon)
+    with daemon.client() as client:
+        cached = len(snapshot_blocks(client.snapshot()))
+    result = cli_subscribe(daemon, "--count", str(1 + cached))
+    assert result.returncode == 0, result.stderr
+    assert "lost" not in result.stderr, result.stderr
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    assert {line["seq"] for line in lines} == {last}
+    assert lines[0]["type"] == "AllBlocksCleared"
+    assert all(line["type"] == "BlockStored" for line in lines[1:])
 
 
 def test_cli_subscribe_help_names_control() -> None:

@@ -130,8 +130,8 @@ def test_serve_takes_the_json_over_the_file_and_says_so(fresh: Daemon) -> None:
     config = json.dumps({"enable_kv_cache_events": True, "topic": "kv@p@m", "max_queue_size": 1})
     serve(fresh, config)
     with ControlClient(fresh.control_endpoint) as client:
-        endpoints = client.ping()["endpoints"][0]
-    assert endpoints["events"] == f"{fresh.events_endpoint}_dp0"
+        endpoints = client.ping().endpoints[0]
+    assert endpoints.events == f"{fresh.events_endpoint}_dp0"
     with fresh.subscriber(topic="kv@p@m") as sub:
         assert sub.catch_up(), "nothing replayed under the JSON's topic"
     assert fresh.stop() == 0

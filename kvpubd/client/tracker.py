@@ -30,7 +30,7 @@ so each run's are above the last run's): the tracker never assumes a first seq.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -291,7 +291,7 @@ class StreamTracker:
         out.extend(self._settle_trigger(stream))
         return out
 
-    def on_snapshot(self, rank: int, reply: dict[str, Any]) -> list[Received]:
+    def on_snapshot(self, rank: int, reply: Mapping[str, Any]) -> list[Received]:
         """The reply to ``Snapshot(rank)``: ``{seq, epoch, events}``; the mirror becomes it."""
         stream = self.streams[rank]
         stream.need_snapshot = False
@@ -323,7 +323,7 @@ class StreamTracker:
             self.callbacks.on_resync(rank, seq)
         return []
 
-    def on_ping(self, reply: dict[str, Any]) -> None:
+    def on_ping(self, reply: Mapping[str, Any]) -> None:
         """The reply to ``Ping()``: a new epoch means the daemon restarted."""
         try:
             epoch, served = int(reply["epoch"]), int(reply["ranks"])
@@ -384,7 +384,9 @@ class StreamTracker:
                     self.callbacks.on_resync(stream.rank, seq)
             stream.synced = False  # _apply rebuilds the mirror from the marker
             stream.gap_counted = False
-            return self._apply(stream, seq, payload, replayed=True)
+            # A history answer shares its seq with a live batch of another payload: no
+            # fingerprint for it, or that live batch would look like another run's.
+            return self._apply(stream, seq, payload, replayed=True, fingerprint=False)
         self._history_gone(stream, stream.next_seq, seq)
         if stream.need_snapshot:
             return []
@@ -425,7 +427,12 @@ class StreamTracker:
         stream.gap_counted = False
 
     def _apply(
-        self, stream: RankStream, seq: int, payload: bytes, replayed: bool
+        self,
+        stream: RankStream,
+        seq: int,
+        payload: bytes,
+        replayed: bool,
+        fingerprint: bool = True,
     ) -> list[Received]:
         try:
             batch = decode_batch(payload)
@@ -436,7 +443,8 @@ class StreamTracker:
                 stream.last = seq
             return []
         stream.last = seq
-        stream.remember(seq, payload)
+        if fingerprint:
+            stream.remember(seq, payload)
         events = batch.events
         if not stream.synced:
             markers = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]

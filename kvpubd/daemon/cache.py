@@ -147,24 +147,23 @@ class RankCache:
         self.pool.free_all()
         return (old_leases, *old_index)
 
-    def snapshot(self) -> list[BlockStored]:
-        """The published blocks as one-block stores, parents before children."""
+    def block_events(self, block_ids: list[int]) -> list[BlockStored]:
+        """Cached blocks as one-block stores, as a snapshot reports them."""
         size = self.block_size
         medium = self.sink.medium
         index = self.index
-        published = list(self.sink.published)
-        hashes = dict(
-            zip(published, self.wire_hash([index.digest[b] for b in published]), strict=True)
-        )
+        digest, parent_of, lora_of, tokens = index.digest, index.parent, index.lora, self.tokens
+        parents = [parent_of[b] for b in block_ids]
+        hashes = self.wire_hash([digest[b] for b in block_ids])
+        parent_hashes = self.wire_hash([digest[p] for p in parents if p != ROOT])[::-1]
         events = []
-        for block_id in published:
-            parent = index.parent[block_id]
-            lora_id, lora_name = index.lora[block_id] or (None, None)
+        for block_id, block_hash, parent in zip(block_ids, hashes, parents, strict=True):
+            lora_id, lora_name = lora_of[block_id] or (None, None)
             events.append(
                 BlockStored(
-                    [hashes[block_id]],
-                    hashes[parent] if parent != ROOT else None,
-                    self.tokens[block_id].tolist(),
+                    [block_hash],
+                    parent_hashes.pop() if parent != ROOT else None,
+                    tokens[block_id].tolist(),
                     size,
                     lora_id,
                     medium,

@@ -14,9 +14,11 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
+from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.protocol.auth import CurveServer
 from kvpubd.protocol.config import ControlConfig
@@ -27,7 +29,8 @@ log = logging.getLogger("kvpubd")
 # Requests handled per reader wake-up before the loop gets a turn (drain ticks, replays).
 CONTROL_BURST = 64
 
-Reply = bytes | asyncio.Future[bytes]
+# Bytes, or a future of a buffer for a reply built across loop turns (sent without a copy).
+Reply = bytes | asyncio.Future[Any]
 Handler = Callable[[Request], Reply]
 
 
@@ -48,8 +51,18 @@ class ControlServer:
         self._fd: int | None = None
         self.endpoint = ""
 
+    @property
+    def socket(self) -> zmq.Socket | None:
+        return self._sock
+
+    def reload_curve(self) -> int | None:
+        """Read the CURVE authorised keys again; how many there are (None: CURVE is off).
+        AuthError leaves the keys loaded before in force."""
+        return self._curve.reload() if self._curve is not None else None
+
     def bind(self) -> str:
-        """Bind the ROUTER; refuses to start beside a running daemon on the same endpoint."""
+        """Bind the ROUTER (the caller holds the endpoint's lock, so any socket file there is
+        a dead daemon's)."""
         config = self._config
         sock = self._sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -60,17 +73,12 @@ class ControlServer:
             self._curve.apply(sock)
         # Hard cap well above the protocol limit: larger frames cost a disconnect, not memory.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes + 1024)
-        path = ipc_path(config.endpoint)
+        path = ipc_path(config.endpoint)  # None for an abstract name: no file to protect
         if path is not None:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # Binding an ipc path silently takes it over from whoever holds it.
-            if path.exists() and _answers_ping(config.endpoint):
-                raise StartupError(
-                    f"control endpoint {config.endpoint} is in use by a running daemon"
-                )
         old_umask = os.umask(0o077)  # the socket file is created owner-only
         try:
-            sock.bind(config.endpoint)
+            bind_ipc_safely(sock, config.endpoint)
         finally:
             os.umask(old_umask)
         if path is not None:
@@ -134,29 +142,17 @@ class ControlServer:
             return error_reply(exc.request_id, exc.code, exc.message)
         return self._handler(request)
 
-    def _send(self, identity: bytes, reply: bytes) -> None:
+    def _send(self, identity: bytes, reply: Any) -> None:
         if self._sock is None:
             return
         try:
-            self._sock.send_multipart([identity, b"", reply], zmq.NOBLOCK)
+            # Large replies (snapshots) go without a copy.
+            self._sock.send_multipart(
+                [identity, b"", reply], zmq.NOBLOCK, copy=isinstance(reply, bytes)
+            )
         except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
             log.debug("control: reply dropped: %s", exc)
 
-    def _send_result(self, identity: bytes, done: asyncio.Future[bytes]) -> None:
-        if not done.cancelled():
+    def _send_result(self, identity: bytes, done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None:
             self._send(identity, done.result())
-
-
-def ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
-
-
-def _answers_ping(endpoint: str) -> bool:
-    from kvpubd.client import ControlClient, ControlTimeout
-
-    with ControlClient(endpoint, timeout=0.5) as client:
-        try:
-            client.ping()
-        except ControlTimeout:
-            return False
-        return True

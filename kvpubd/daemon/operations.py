@@ -4,15 +4,22 @@ everything about one rank lives in its pipeline."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
+import numpy as np
+
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
+from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.snapshot import Buffer, assemble
+from kvpubd.daemon.snapshot import Snapshot as SnapshotData
 from kvpubd.protocol.config import Settings
 from kvpubd.protocol.control import (
     Checksum,
@@ -30,7 +37,6 @@ from kvpubd.protocol.control import (
     ok_reply,
 )
 from kvpubd.protocol.hashing import token_count, tokens_array
-from kvpubd.protocol.wire import event_to_wire
 
 log = logging.getLogger("kvpubd")
 
@@ -56,15 +62,17 @@ class Operations:
             Reset: self.reset,
             Pause: self.pause,
             Resume: self.pause,
-            Snapshot: self.snapshot,
             PoolInfo: self.pool_info,
             Checksum: self.checksum,
         }
 
-    def handle(self, request: Request) -> bytes:
-        """The reply to one parsed request; a refusal or a bug is answered, never raised."""
+    def handle(self, request: Request) -> Reply:
+        """The reply to one parsed request; a refusal or a bug is answered, never raised.
+        A snapshot is answered later, through a future."""
         error_code: str | None = None
         try:
+            if isinstance(request, Snapshot):
+                return self.snapshot(request)
             return ok_reply(request.id, **self._ops[type(request)](request))
         except CacheError as exc:
             error_code = exc.code
@@ -116,6 +124,14 @@ class Operations:
         count = token_count(request.token_ids)
         if count > limit:
             raise CacheError("too_large", f"token_ids: {count} tokens; the limit is {limit}")
+        blocks = count // self.settings.cache.block_size
+        block_limit = self.settings.control.max_blocks_per_store
+        if blocks > block_limit:
+            raise CacheError(
+                "too_large",
+                f"token_ids: {blocks} full blocks; the limit is {block_limit} "
+                "(control.max_blocks_per_store)",
+            )
         # Request ids are unique across ranks (release names no rank).
         if any(p.has_request(request.request_id) for p in self.pipelines):
             raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
@@ -156,16 +172,29 @@ class Operations:
         )
         return {"markers": markers}
 
-    def snapshot(self, request: Snapshot) -> dict[str, Any]:
+    def snapshot(self, request: Snapshot) -> asyncio.Future[Buffer]:
+        """Answered once the rank's snapshot job is done and its reply put together, both a
+        slice per loop turn: a snapshot never holds the loop."""
         pipeline = self._pipeline(request.rank)
-        seq, events = pipeline.snapshot()
-        wire_format = self.settings.events.wire_format
-        return {
-            "rank": pipeline.rank,
-            "seq": seq,
-            "epoch": self.epoch,
-            "events": [event_to_wire(e, wire_format) for e in events],
-        }
+        job = pipeline.snapshot().result
+        return asyncio.ensure_future(self._snapshot_reply(request, pipeline.rank, job))
+
+    async def _snapshot_reply(
+        self, request: Snapshot, rank: int, job: asyncio.Future[SnapshotData]
+    ) -> Buffer:
+        try:
+            snapshot = await asyncio.shield(job)
+        except Exception as exc:
+            log.debug("snapshot of rank %d failed: %r", rank, exc)
+            error = error_reply(request.id, "internal", f"snapshot failed: {exc!r}")
+            return np.frombuffer(error, dtype=np.uint8)
+        packer = msgpack.Packer(use_bin_type=True)
+        head = {"ok": True, "id": request.id, "rank": rank, "seq": snapshot.seq}
+        parts = [packer.pack_map_header(len(head) + 2)]
+        for key, value in (*head.items(), ("epoch", self.epoch)):
+            parts += (packer.pack(key), packer.pack(value))
+        parts += (packer.pack("events"), packer.pack_array_header(snapshot.count))
+        return await assemble([b"".join(parts), *snapshot.chunks])
 
     def pool_info(self, request: PoolInfo) -> dict[str, Any]:
         pipeline = self._pipeline(request.rank)

@@ -15,9 +15,11 @@ import zmq
 from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pool import pool_segment_name
+from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.sink import EventSink
+from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.protocol.config import Settings, rank_endpoint
 from kvpubd.protocol.wire import BlockStored
 
@@ -67,6 +69,11 @@ class RankPipeline:
             pool_name=pool_segment_name(settings.control.endpoint, rank),
         )
         self.resets = 0
+        self._wire_format = events.wire_format
+        self._snapshot: SnapshotJob | None = None
+        # Replays of history the ring no longer holds start from a snapshot batch.
+        if events.replay_snapshot:
+            self.publisher.lost_history = self.snapshot
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -122,11 +129,48 @@ class RankPipeline:
         self._reaper.retire(retired, published)
         return seq
 
-    def snapshot(self) -> tuple[int, list[BlockStored]]:
-        """(seq, the published blocks as one-block stores, parents first) at that seq."""
-        # Publish what is captured first, so the snapshot is exactly the state at its seq.
+    def snapshot(self) -> SnapshotJob:
+        """The job building the published blocks (one-block stores, parents first) at the
+        current seq. Requests share it: one build per published seq, however many ask."""
+        job = self._snapshot
+        if job is not None and not job.result.done():
+            return job
+        if (
+            job is not None
+            and job.seq == self.publisher.last_seq
+            and not self.sink.pending_count
+            and job.result.exception() is None
+        ):
+            return job
+        self._snapshot = SnapshotJob(self, self._wire_format)
+        return self._snapshot
+
+    # What a snapshot job reads.
+
+    def freeze_published(self) -> tuple[int, FrozenView] | None:
+        # Publish what is captured first, so the view is exactly the state at its seq.
         self.flush()
-        return self.publisher.last_seq, self.cache.snapshot()
+        record = self.sink.published
+        view = record.freeze(self._removed_block_event)
+        if view is None:
+            record.compact_some()
+            return None
+        return self.publisher.last_seq, view
+
+    def current_record(self) -> PublishedRecord:
+        return self.sink.published
+
+    def block_events(self, block_ids: list[int]) -> list[BlockStored]:
+        return self.cache.block_events(block_ids)
+
+    def _removed_block_event(self, block_id: int) -> BlockStored:
+        return self.cache.block_events([block_id])[0]
+
+    def compact(self) -> None:
+        """One slice of housekeeping on the published record (the drain loop calls it)."""
+        record = self.sink.published
+        if record.needs_compaction:
+            record.compact_some()
 
     def checksum(self, block_ids: list[int]) -> list[int]:
         pool = self.cache.pool
@@ -149,13 +193,13 @@ class RankPipeline:
             "rank": self.rank,
             "first_seq": publisher.first_seq,
             "seq": publisher.last_seq,
-            "batches": publisher.batches,
+            "batches_published": publisher.batches,
             "events_published": publisher.events,
-            "dropped_stores": self.sink.dropped_stores,
+            "dropped_stored_blocks": self.sink.dropped_stored_blocks,
             "resets": self.resets,
             "replay_requests": publisher.replay_requests,
             "replays_refused": publisher.replays_refused,
-            "blocks_total": pool.num_blocks,
+            "blocks_capacity": pool.num_blocks,
             "blocks_used": pool.used_count,
             "blocks_free": pool.free_count,
             "blocks_cached": len(self.cache.index),
@@ -168,5 +212,7 @@ class RankPipeline:
         }
 
     def close(self) -> None:
+        if self._snapshot is not None:
+            self._snapshot.cancel()
         self.publisher.close()
         self.cache.pool.close()

@@ -14,22 +14,34 @@ import logging
 import secrets
 import signal
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from kvpubd.daemon import logs, resources
+from kvpubd.daemon.conn_cap import ConnectionCap
 from kvpubd.daemon.control_server import ControlServer, StartupError
+from kvpubd.daemon.endpoint_lock import (
+    EndpointInUse,
+    EndpointLock,
+    lock_path,
+    make_parents,
+    remove_dirs,
+)
 from kvpubd.daemon.hooks import MetricsHooks, NullMetrics
 from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.daemon.operations import Operations
 from kvpubd.daemon.pipeline import RankPipeline
-from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
-from kvpubd.protocol.config import Settings
+from kvpubd.protocol.auth import AuthError
+from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir
 
 log = logging.getLogger("kvpubd")
 
 __all__ = ["Service", "StartupError", "TaskFailed", "run"]
+
+DRAIN_TASK = "drain loop"
 
 
 class TaskFailed(RuntimeError):
@@ -37,8 +49,23 @@ class TaskFailed(RuntimeError):
 
 
 class Service:
-    def __init__(self, settings: Settings) -> None:
+    """``reload_settings`` (SIGHUP) returns the configuration as it is now, or raises
+    ConfigError; ``start_lines`` are logged once the daemon holds its endpoint."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        reload_settings: Callable[[], Settings] | None = None,
+        start_lines: list[str] | None = None,
+    ) -> None:
         self.settings = settings
+        self._reload_settings = reload_settings
+        self._start_lines = start_lines or []
+        self.ready = False
+        # What start-up made and shutdown removes: the endpoint lock, directories it created.
+        self._lock: EndpointLock | None = None
+        self._created_dirs: list[Path] = []
+        self._caps: list[ConnectionCap] = []
         self.epoch = secrets.randbits(62)
         self.pipelines: list[RankPipeline] = []
         self.metrics: MetricsHooks = (
@@ -49,7 +76,6 @@ class Service:
         self.control: ControlServer | None = None
         self._exit = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._readers: list[int] = []
         self._failure: BaseException | None = None
         self._failure_task = ""
         # Frees cleared indexes piecemeal: one deallocation per block must not delay a marker.
@@ -71,15 +97,59 @@ class Service:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_exit)
+        # SIGHUP's default action kills the process without a word.
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             await self.startup()
             await self.main_loop()
         finally:
             await self.shutdown()
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
         if self._failure is not None:
             raise TaskFailed(f"{self._failure_task}: {self._failure!r}") from self._failure
+
+    def health(self) -> str | None:
+        """None while the daemon is ready and its drain loop runs; else what is wrong."""
+        if not self.ready:
+            return "not ready"
+        if self._exit.is_set():
+            return "stopping"
+        if not any(t.get_name() == f"kvpubd {DRAIN_TASK}" and not t.done() for t in self._tasks):
+            return "the drain loop is not running"
+        return None
+
+    def reload(self) -> None:
+        """SIGHUP: apply the log level and the CURVE authorised keys as they are now; every
+        other setting needs a restart."""
+        if self._reload_settings is None:
+            log.info("SIGHUP: nothing to reload")
+            return
+        try:
+            fresh = self._reload_settings()
+        except ConfigError as exc:
+            log.error("SIGHUP: config error: %s; nothing reloaded", exc)
+            return
+        logs.set_level(fresh.service.log_level)
+        reloaded = [f"log level {fresh.service.log_level}"]
+        if self.control is not None:
+            try:
+                count = self.control.reload_curve()
+            except AuthError as exc:
+                log.error("SIGHUP: control.curve_authorized_keys: %s; keeping the keys loaded", exc)
+            else:
+                if count is not None:
+                    reloaded.append(f"{count} authorised CURVE client key(s)")
+        log.info("SIGHUP: reloaded %s", ", ".join(reloaded))
+        changed = [
+            f"{section}.{key}"
+            for section, values in fresh.model_dump().items()
+            for key, value in values.items()
+            if (section, key) != ("service", "log_level")
+            and getattr(getattr(self.settings, section), key) != value
+        ]
+        if changed:
+            log.warning("SIGHUP: %s changed; restart the daemon to apply", ", ".join(changed))
 
     def request_exit(self) -> None:
         if not self._exit.is_set():
@@ -87,9 +157,13 @@ class Service:
         self._exit.set()
 
     async def startup(self) -> None:
+        # The lock first: a daemon running on this endpoint keeps its sockets, socket file and
+        # pool segment (named after the endpoint), and this one says one line and exits.
+        self._lock_endpoint()
+        for line in self._start_lines:
+            log.info("%s", line)
+        resources.raise_fd_limit()
         self._context = zmq.Context()
-        # Control first: it refuses to start beside a running daemon on the same endpoint,
-        # before anything here could take over that daemon's sockets or pool segment.
         self.control = ControlServer(
             self._context, self.settings.control, self.operations.handle, self.metrics
         )
@@ -98,7 +172,6 @@ class Service:
             self.pipelines.append(
                 RankPipeline(rank, self.settings, self._context, self.metrics, self._reaper)
             )
-        loop = asyncio.get_running_loop()
         for pipeline in self.pipelines:
             pipeline.start()
             publisher = pipeline.publisher
@@ -108,27 +181,25 @@ class Service:
                 publisher.endpoint,
                 publisher.replay_endpoint or "(off)",
             )
-            if publisher.replay is not None:
-                fd = publisher.replay.getsockopt(zmq.FD)
-                pump = _replay_pump(publisher)
-                loop.add_reader(fd, pump)
-                self._readers.append(fd)
-                loop.call_soon(pump)  # anything that arrived before the reader existed
+            publisher.start()
         self.control.start()
         await self._start_metrics()
-        self._spawn(self._drain_loop(), "drain loop")
+        self._cap_connections()
+        self._spawn(self._drain_loop(), DRAIN_TASK)
         self._spawn(self._reaper.run(), "reaper")
         log.info(
-            "ready: %d rank(s), %d blocks of %d bytes each, control on %s",
+            "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
             len(self.pipelines),
             self.settings.cache.num_blocks,
             self.settings.cache.block_bytes,
             self.control_endpoint,
+            resources.fd_limit(),
         )
         # Everything built so far lives as long as the daemon: the per-block lists of every
         # index among it. Out of the collector's reach, a full collection no longer walks them
         # (a pause that grew with the pool and landed on whichever reset came next).
         gc.freeze()
+        self.ready = True
         self._notify_ready()
 
     async def main_loop(self) -> None:
@@ -138,10 +209,11 @@ class Service:
     async def shutdown(self) -> None:
         """Stop everything that started; each step runs even if an earlier one failed."""
         self._notifier.stopping("stopping")
-        loop = asyncio.get_running_loop()
-        for fd in self._readers:
-            loop.remove_reader(fd)
-        self._readers = []
+        for pipeline in self.pipelines:
+            pipeline.publisher.stop()
+        for guard in self._caps:
+            _attempt(f"{guard.name} connection cap", guard.close)
+        self._caps = []
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -164,8 +236,54 @@ class Service:
             # (linger_ms for PUB) for queued messages to reach subscribers.
             _attempt("zmq context", self._context.destroy)
             self._context = None
-        log.info("stopped")
+        # Last, so that no second daemon can start before this one let go of everything.
+        if self._lock is not None:
+            _attempt("endpoint lock", self._lock.release)
+            self._lock = None
+        remove_dirs(self._created_dirs)
+        if self.ready:  # a daemon that never started does not say it stopped
+            log.info("stopped")
         self._notifier.close()
+
+    def _lock_endpoint(self) -> None:
+        endpoint = self.settings.control.endpoint
+        path = lock_path(endpoint, default_runtime_dir())
+        if path is None:
+            return
+        self._created_dirs = make_parents(path)
+        try:
+            self._lock = EndpointLock.acquire(endpoint, path)
+        except EndpointInUse as exc:
+            raise StartupError(str(exc)) from None
+
+    def _cap_connections(self) -> None:
+        """Share the fds left after start-up (less a reserve) among the TCP listeners, so that
+        no flood of connections can use up the last one (see conn_cap)."""
+        assert self.control is not None and self.control.socket is not None
+        listeners = [(self.control.socket, self.control_endpoint, "control")]
+        for pipeline in self.pipelines:
+            publisher = pipeline.publisher
+            listeners.append((publisher.pub, publisher.endpoint, f"rank {pipeline.rank} events"))
+            if publisher.replay is not None:
+                listeners.append(
+                    (publisher.replay, publisher.replay_endpoint, f"rank {pipeline.rank} replay")
+                )
+        metrics_on = bool(self.settings.metrics.port)
+        cap = resources.fd_budget(len(listeners) + metrics_on)
+        loop = asyncio.get_running_loop()
+        for sock, bound, name in listeners:
+            guard = ConnectionCap.create(sock, bound, cap, name)
+            if guard is not None:
+                guard.start(loop)
+                self._caps.append(guard)
+        if metrics_on:
+            self.metrics.max_connections = cap  # type: ignore[attr-defined]
+        log.debug(
+            "connections: at most %d per TCP listener (%d fds open, limit %d)",
+            cap,
+            resources.open_fds(),
+            resources.fd_limit(),
+        )
 
     # -- background tasks ------------------------------------------------------------------
 
@@ -229,6 +347,7 @@ class Service:
                     pipeline.flush(new_tick=True)
                 # Also while paused: the daemon is alive, and a consumer learns the last seq.
                 pipeline.publisher.heartbeat()
+                pipeline.compact()
 
 
 def _attempt(what: str, step: Callable[[], Any]) -> Any:
@@ -243,24 +362,16 @@ def _attempt(what: str, step: Callable[[], Any]) -> Any:
 def _create_metrics(service: Service) -> MetricsHooks:
     from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
 
-    return Metrics(lambda: service.pipelines, lambda: service.paused)
+    return Metrics(lambda: service.pipelines, lambda: service.paused, service.health)
 
 
-def _replay_pump(publisher: Publisher) -> Callable[[], None]:
-    """Reader callback for a replay socket: serve replays a chunk at a time, coming back on a
-    later loop turn while any remain, so resets and ticks never wait behind a long replay."""
-    loop = asyncio.get_running_loop()
-
-    def pump() -> None:
-        if publisher.handle_replay():
-            loop.call_soon(pump)
-
-    return pump
-
-
-def run(settings: Settings) -> None:
+def run(
+    settings: Settings,
+    reload_settings: Callable[[], Settings] | None = None,
+    start_lines: list[str] | None = None,
+) -> None:
     """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
-    service = Service(settings)
+    service = Service(settings, reload_settings, start_lines)
     if settings.service.loop == "uvloop":
         try:
             import uvloop

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from kvpubd.daemon.published import PublishedRecord
 from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 
@@ -18,8 +19,8 @@ class EventSink:
         self._pending: list[Event] = []
         self._budget = max_events_per_tick
         # Published and not yet removed, in publication order (parents before children).
-        self.published: dict[int, None] = {}
-        self.dropped_stores = 0
+        self.published = PublishedRecord()
+        self.dropped_stored_blocks = 0
 
     @property
     def pending_count(self) -> int:
@@ -40,16 +41,14 @@ class EventSink:
         A run under an unpublished parent is not published at all (its parent's store was
         dropped); otherwise as many blocks as the tick's budget allows, the rest dropped."""
         if parent_block is not None and parent_block not in self.published:
-            self.dropped_stores += len(block_ids)
+            self.dropped_stored_blocks += len(block_ids)
             return
         count = min(len(block_ids), self._budget)
-        self.dropped_stores += len(block_ids) - count
+        self.dropped_stored_blocks += len(block_ids) - count
         if count == 0:
             return
         self._budget -= count
-        published = self.published
-        for block_id in block_ids[:count]:
-            published[block_id] = None
+        self.published.add(block_ids[:count])
         self._pending.append(
             BlockStored(
                 hashes[:count],
@@ -64,21 +63,17 @@ class EventSink:
 
     def removed(self, blocks: Iterable[tuple[int, BlockHash]]) -> None:
         """Capture removals; only blocks whose store was published are named."""
-        published = self.published
-        hashes = []
-        for block_id, block_hash in blocks:
-            if block_id in published:
-                del published[block_id]
-                hashes.append(block_hash)
+        discard = self.published.discard
+        hashes = [block_hash for block_id, block_hash in blocks if discard(block_id)]
         if hashes:
             self._pending.append(BlockRemoved(hashes, self.medium))
 
-    def cleared(self) -> dict[int, None]:
+    def cleared(self) -> PublishedRecord:
         """Append the reset marker after everything captured; it never counts against the cap.
         Forget what was published, so a repopulated prefix is reported again. Returns the old
         record, whose deallocation (O(blocks)) the caller may defer past the reset reply."""
         self._pending.append(AllBlocksCleared())
-        old, self.published = self.published, {}
+        old, self.published = self.published, PublishedRecord()
         self._budget = self.max_events_per_tick
         return old
 
