@@ -14,6 +14,8 @@ __all__ = ["Daemon", "toml_value", "wait_for", "write_config"]
 TEST_DEFAULTS: dict[str, dict[str, Any]] = {
     "cache": {"num_blocks": 256, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
     "service": {"log_level": "debug", "linger_ms": 2000},
+    # Tests count batches exactly; the heartbeat tests turn it on.
+    "events": {"heartbeat_ms": 0},
 }
 
 
@@ -43,3 +45,8 @@ class Daemon(DaemonProcess):
         for section, values in (overrides or {}).items():
             merged.setdefault(section, {}).update(values)
         super().__init__(merged, transport=transport, curve=curve)
+
+    def first_seq(self, rank: int = 0) -> int:
+        """The seq of the rank's first batch in this run (its start-up marker)."""
+        with self.client() as client:
+            return int(client.stats().ranks[rank].first_seq)

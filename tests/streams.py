@@ -142,7 +142,7 @@ class Tap:
     def settle(self, client: ControlClient, timeout: float = 5.0) -> list[Received]:
         """Receive every batch the daemon reports as already published (stats ``seq``); events
         still pending in the sink are not covered."""
-        published = {r["rank"]: r["seq"] for r in client.stats()["ranks"]}
+        published = {r.rank: r.seq for r in client.stats().ranks}
         return self.through(published, timeout)
 
     def go_live(self, client: ControlClient, timeout: float = 10.0) -> list[Received]:
@@ -195,7 +195,7 @@ class Tap:
         hashes = chain_hashes(
             tokens, lora_id=fields.get("lora_id"), cache_salt=fields.get("cache_salt")
         )
-        first_new = hashes[reply["num_cached_tokens"] // BLOCK_SIZE]
+        first_new = hashes[reply.num_cached_tokens // BLOCK_SIZE]
         self.until(lambda: self.stored_seen(first_new, rank), what=f"the store of {request_id}")
         return reply
 

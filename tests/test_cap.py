@@ -17,13 +17,13 @@ def test_snapshot_flush_does_not_refill_the_tick_budget(start_daemon: DaemonFact
         tap = Tap(sub)
         tap.go_live(client)
         client.pause()
-        stats = client.stats()["ranks"][0]
-        before, paused_at = stats["dropped_stored_blocks"], stats["seq"]
+        stats = client.stats().ranks[0]
+        before, paused_at = stats.dropped_stored_blocks, stats.seq
         for i, tokens in enumerate(prompts):
             client.store(f"r{i}", tokens)
             client.snapshot()
         snapshot = client.snapshot()
-        tap.through({0: snapshot["seq"]})
+        tap.through({0: snapshot.seq})
         published = [
             e for b in tap.after(0, paused_at) for e in b.batch.events if isinstance(e, BlockStored)
         ]
@@ -40,7 +40,7 @@ def test_snapshot_flush_does_not_refill_the_tick_budget(start_daemon: DaemonFact
                 None,
             ),
         ]
-        assert client.stats()["ranks"][0]["dropped_stored_blocks"] - before == 5
+        assert client.stats().ranks[0].dropped_stored_blocks - before == 5
         mirror = Mirror(BLOCK_SIZE)
         for received in tap.history:
             mirror.apply(received.batch.events)

@@ -16,6 +16,7 @@ from kvpubd.client import ControlClient, ControlTimeout
 from kvpubd.protocol.auth import create_keys
 from tests.daemon import Daemon, wait_for
 from tests.streams import prompt
+from tests.test_cli import ENV, kvpubd_all
 
 
 @pytest.fixture
@@ -50,10 +51,10 @@ def curve_daemon(keys: dict[str, Path]) -> Iterator[Daemon]:
 
 def test_authorised_client_works(curve_daemon: Daemon) -> None:
     with curve_daemon.client() as client:
-        assert client.ping()["epoch"] == curve_daemon.epoch
-        assert len(client.store("ok", prompt(1, 2))["block_ids"]) == 2
+        assert client.ping().epoch == curve_daemon.epoch
+        assert len(client.store("ok", prompt(1, 2)).block_ids) == 2
         client.release("ok")
-        assert client.reset()[0]["rank"] == 0
+        assert client.reset().markers[0].rank == 0
 
 
 @pytest.mark.parametrize("who", ["plain", "intruder"])
@@ -74,9 +75,9 @@ def test_unauthorised_client_cannot_reset_or_store(
                 call()
     with curve_daemon.client() as client:
         after = client.snapshot()
-        assert after["seq"] == before["seq"]
-        assert after["events"] == before["events"]
-        assert client.stats()["ranks"][0]["resets"] == 0
+        assert after.seq == before.seq
+        assert after.events == before.events
+        assert client.stats().ranks[0].resets == 0
 
 
 def test_secret_keys_never_logged(curve_daemon: Daemon, keys: dict[str, Path]) -> None:
@@ -114,27 +115,47 @@ def test_bad_curve_settings_exit_2(
     assert key in line
 
 
-def test_cli_with_curve_keys(curve_daemon: Daemon, keys: dict[str, Path]) -> None:
-    base = [sys.executable, "-m", "kvpubd", "reset", "--control", curve_daemon.control_endpoint]
-    authorised = subprocess.run(
-        [
-            *base,
-            "--curve-key",
-            str(keys["client_secret"]),
-            "--server-key",
-            str(keys["server_public"]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def test_every_client_command_speaks_curve(curve_daemon: Daemon, keys: dict[str, Path]) -> None:
+    """ping, stats, reset, loadgen and subscribe --control work with the keys from
+    KVPUBD_CURVE_KEY / KVPUBD_SERVER_KEY (reset with --curve-key / --server-key); without
+    them each fails in one line that hints at CURVE, exit 1."""
+    control = ["--control", curve_daemon.control_endpoint]
+    subscribe = [
+        "subscribe",
+        "--endpoint",
+        curve_daemon.events_endpoint,
+        "--replay",
+        "",  # without replay, the control snapshot is what catches the subscriber up
+        *control,
+        "--count",
+        "1",
+    ]
+    commands = [
+        ["ping", *control],
+        ["stats", *control],
+        ["loadgen", *control, "--duration", "0.5", "--rate", "20"],
+        subscribe,
+    ]
+    env = {
+        **ENV,
+        "KVPUBD_CURVE_KEY": str(keys["client_secret"]),
+        "KVPUBD_SERVER_KEY": str(keys["server_public"]),
+    }
+    for command, result in zip(commands, kvpubd_all(*commands, env=env), strict=True):
+        assert result.returncode == 0, (command, result.stderr)
+        assert result.stdout, command
+    flags = ["--curve-key", str(keys["client_secret"]), "--server-key", str(keys["server_public"])]
+    (authorised,) = kvpubd_all(["reset", *control, *flags])
     assert authorised.returncode == 0, authorised.stderr
     assert authorised.stdout.startswith("rank 0: marker seq ")
-    refused = subprocess.run(
-        [*base, "--timeout", "0.3"], capture_output=True, text=True, timeout=60
-    )
-    assert refused.returncode == 1
-    assert "daemon" in refused.stderr
+
+    short = ["--timeout", "0.3"]
+    refused = [[*c, *short] for c in [*commands[:3], ["reset", *control]]]
+    for command, result in zip(refused, kvpubd_all(*refused), strict=True):
+        assert result.returncode == 1, (command, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, (command, result.stderr)
+        assert "daemon" in lines[0] and "--curve-key" in lines[0], lines[0]
 
 
 def serve_exit(control: dict[str, str]) -> subprocess.CompletedProcess[str]:

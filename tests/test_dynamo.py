@@ -240,7 +240,7 @@ def test_late_join_after_history_left_the_ring(indexer: Indexer, tcp_daemon: Any
         for _ in range(10 * 4):
             store_released(client, unique_prompt(1))
             client.snapshot()  # publishes each store as its own batch
-        assert client.stats()["ranks"][0]["batches_published"] > 40
+        assert client.stats().ranks[0].batches_published > 40
     indexer.register(daemon)
     exact(indexer, daemon)
     assert indexer.blocks(0)

@@ -162,7 +162,7 @@ def test_shutdown_delivers_queued_batches_to_a_slow_tcp_subscriber() -> None:
                 for n in range(600):
                     client.store(f"r{n}", [n % 60_000 + 1] * (16 * 512))
                     client.release(f"r{n}")
-                last = client.stats()["ranks"][0]["seq"]
+                last = client.stats().ranks[0].seq
             assert daemon.proc is not None
             daemon.proc.send_signal(signal.SIGTERM)
             seqs = []

@@ -25,8 +25,8 @@ def test_one_line_per_lifecycle_step(start_daemon: StartDaemon) -> None:
             client.store(f"r{i}", prompt(i, 2))
             client.release(f"r{i}")
         client.reset()
-        client.call("pause")
-        client.call("resume")
+        client.pause()
+        client.resume()
     assert daemon.stop() == 0
     lines = [re.sub(r"^\S+ \S+ ", "", line) for line in daemon.log().splitlines()]
     expected = [

@@ -91,8 +91,9 @@ def start_serve(daemon: Daemon, env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def test_ready_watchdog_stopping_in_order(fake_systemd: FakeSystemd) -> None:
-    """READY=1 once every socket is bound and seq 0 (the startup marker) is published, then
-    WATCHDOG=1 from the loop every WATCHDOG_USEC / 2, then STOPPING=1 on SIGTERM, last."""
+    """READY=1 once every socket is bound and the startup marker (the run's first seq) is
+    published, then WATCHDOG=1 from the loop every WATCHDOG_USEC / 2, then STOPPING=1 on
+    SIGTERM, last."""
     daemon = Daemon()
     env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "WATCHDOG_USEC")}
     env.update(NOTIFY_SOCKET=fake_systemd.address, WATCHDOG_USEC=str(WATCHDOG_USEC))
@@ -109,9 +110,10 @@ def test_ready_watchdog_stopping_in_order(fake_systemd: FakeSystemd) -> None:
         assert ready["READY"] == "1"
         assert daemon.control_endpoint in ready["STATUS"]
         with daemon.client() as client:
-            assert client.ping()["ranks"] == 1
+            assert client.ping().ranks == 1
+            first_seq = client.stats().ranks[0].first_seq
         first = replay(rank_endpoint(daemon.replay_endpoint, 0), 0)[0]
-        assert first[0] == 0
+        assert first[0] == first_seq
         assert decode_batch(first[1]).events == [AllBlocksCleared()]
 
         # Watchdog pings keep coming while the daemon runs.

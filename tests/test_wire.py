@@ -157,12 +157,13 @@ def replay_raw(endpoint: str, start: int) -> list[list[bytes]]:
 
 
 def published(daemon: Daemon) -> list[bytes]:
-    """Publish everything captured (snapshot flushes first), then replay every payload from 0."""
+    """Publish everything captured (snapshot flushes first), then replay every payload from 0
+    (everything retained: the run's first seq is its origin, not 0)."""
     with daemon.client() as client:
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
     messages = replay_raw(f"{daemon.replay_endpoint}_dp0", 0)
     seqs = [int.from_bytes(m[1], "big") for m in messages]
-    assert seqs == list(range(last + 1))
+    assert seqs == list(range(daemon.first_seq(), last + 1))
     return [m[2] for m in messages]
 
 
@@ -206,6 +207,7 @@ class Capture:
     block_size: int
     live: list[list[bytes]]  # every live message from the first one seen, raw frames
     replayed: list[list[bytes]]  # replay from 0: [topic, seq, payload]
+    first_seq: int
     last_seq: int
 
 
@@ -241,7 +243,7 @@ def run_workload(daemon: Daemon, wire_format: str, topic: str) -> Capture:
             client.store("r5", prompt[:16], lora_id=7, lora_name="adapter-b", cache_salt="s")
             client.reset(force=True)  # r5 still open
             client.store("r6", prompt[:40])
-            last = client.snapshot()["seq"]
+            last = client.snapshot().seq
 
         deadline = time.monotonic() + TIMEOUT
         while int.from_bytes(live[-1][1], "big") < last:
@@ -251,7 +253,7 @@ def run_workload(daemon: Daemon, wire_format: str, topic: str) -> Capture:
     finally:
         sub.close()
     replayed = replay_raw(f"{daemon.replay_endpoint}_dp0", 0)
-    return Capture(wire_format, topic, 16, live, replayed, last)
+    return Capture(wire_format, topic, 16, live, replayed, daemon.first_seq(), last)
 
 
 @pytest.fixture(
@@ -315,7 +317,8 @@ def test_decoders_are_strict() -> None:
 
 def test_live_messages_have_three_frames_topic_and_gap_free_seq(capture: Capture) -> None:
     """Every live message is [topic, seq, payload]: the configured topic, an 8-byte big-endian
-    seq that runs from 0 without gaps (replay from 0, then live) and is never ff*8."""
+    seq that runs from the run's first seq without gaps (replay from 0, then live) and is never
+    ff*8."""
     topic = capture.topic.encode()
     for frames in capture.live:
         assert len(frames) == 3, f"live message has {len(frames)} frames"
@@ -325,7 +328,7 @@ def test_live_messages_have_three_frames_topic_and_gap_free_seq(capture: Capture
     assert live_seqs == list(range(live_seqs[0], capture.last_seq + 1))
 
     replay_seqs = [int.from_bytes(m[1], "big") for m in capture.replayed]
-    assert replay_seqs == list(range(capture.last_seq + 1))
+    assert replay_seqs == list(range(capture.first_seq, capture.last_seq + 1))
     for message in capture.replayed:
         assert message[0] == topic and message[1] != END_SEQ
     by_seq = {int.from_bytes(m[1], "big"): m[2] for m in capture.replayed}
@@ -418,7 +421,7 @@ def test_block_hashes_follow_the_documented_chain(
     with daemon.client() as client:
         for request, tokens, fields, matched in cases:
             reply = client.store(request, tokens, **fields)
-            assert reply["num_cached_tokens"] == matched * bs
+            assert reply.num_cached_tokens == matched * bs
     stores = stored_events("map", published(daemon))
     assert len(stores) == len(cases)
 
@@ -487,3 +490,25 @@ def test_configured_medium_is_published(start_daemon: DaemonFactory) -> None:
     removals = [e for e in events if isinstance(e, REMOVED)]
     assert len(stores) == 2 and len(removals) >= 1
     assert {e.medium for e in stores + removals} == {"cpu_tier"}
+
+
+@pytest.mark.parametrize("wire_format", ["map", "array"])
+def test_strict_vllm_decoders_accept_a_heartbeat(
+    start_daemon: DaemonFactory, wire_format: str
+) -> None:
+    """An idle rank's heartbeat is ``[ts, [], rank]`` with the next seq: vLLM's strict
+    decoders read it as a batch with no events, live and through replay alike."""
+    daemon = start_daemon(events={"wire_format": wire_format, "heartbeat_ms": 100})
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(f"{daemon.events_endpoint}_dp0")
+    try:
+        assert sock.poll(10_000), "no heartbeat"
+        _, seq_frame, payload = sock.recv_multipart()
+    finally:
+        sock.close()
+    batch = decode(wire_format, payload)
+    assert batch.events == [] and batch.data_parallel_rank == 0
+    replayed = {m[1]: m[2] for m in replay_raw(f"{daemon.replay_endpoint}_dp0", 0)}
+    assert replayed[seq_frame] == payload

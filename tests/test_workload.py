@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_from_wire
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import reference_chain
@@ -74,7 +74,8 @@ class Workload:
         self.client = daemon.client()
         self.sub = daemon.subscriber()
         self.total: int = daemon.settings["cache"]["num_blocks"]
-        self.next_seq = 0  # the next seq the stream must deliver (gap-free)
+        # The next seq the stream must deliver (gap-free from the run's first).
+        self.next_seq: int = self.client.stats().ranks[0].first_seq
         self.ahead: list[Received] = []
         self.markers: set[int] = set()
         self.tokens = itertools.count(1_000_000, BS)  # unique blocks for floods
@@ -128,15 +129,15 @@ class Workload:
     # -- operations -------------------------------------------------------------------
 
     def cache_stats(self) -> dict[str, int]:
-        rank = self.client.stats()["ranks"][0]
-        return {key: rank[key] for key in CACHE_FIELDS}
+        rank = self.client.stats().ranks[0]
+        return {key: getattr(rank, key) for key in CACHE_FIELDS}
 
     def begin(self) -> None:
         """Isolate an example: resume, force a reset and start a fresh Mirror at its marker."""
         self.client.resume()
-        markers = self.client.reset(force=True)
-        assert [m["rank"] for m in markers] == [0]
-        self.example_marker = markers[0]["seq"]
+        markers = self.client.reset(force=True).markers
+        assert [m.rank for m in markers] == [0]
+        self.example_marker = markers[0].seq
         self.markers.add(self.example_marker)
         self.open.clear()
         self.mirror = Mirror(block_size=BS)
@@ -161,7 +162,7 @@ class Workload:
             assert self.cache_stats() == before, "a refused store changed the cache"
             self.exhausted += 1
             return None
-        ids, cached = reply["block_ids"], reply["num_cached_tokens"]
+        ids, cached = reply.block_ids, reply.num_cached_tokens
         hashes = reference_chain(prompt, lora_id, salt)
         assert len(ids) == need and len(set(ids)) == need
         assert all(0 <= i < self.total for i in ids)
@@ -197,7 +198,7 @@ class Workload:
         rid = sorted(self.open, key=str)[pick % len(self.open)]
         held = self.open.pop(rid)
         reply = self.client.release(rid)
-        assert reply["released"] == len(held.block_ids)
+        assert reply.released == len(held.block_ids)
 
     def flood(self, blocks: int) -> None:
         """Store and release ``blocks`` never-seen blocks: forces evictions when the pool is
@@ -206,7 +207,7 @@ class Workload:
         rid = self.store(prompt, None, None)
         if rid is not None:
             held = self.open.pop(rid)
-            assert self.client.release(rid)["released"] == len(held.block_ids)
+            assert self.client.release(rid).released == len(held.block_ids)
 
     def reset(self, force: bool) -> None:
         if self.open and not force:
@@ -216,18 +217,17 @@ class Workload:
             assert info.value.code == "busy"
             assert self.cache_stats() == before
             return
-        markers = self.client.reset(force=force)
-        self.markers.update(m["seq"] for m in markers)
+        markers = self.client.reset(force=force).markers
+        self.markers.update(m.seq for m in markers)
         self.open.clear()
 
     def check(self) -> None:
         """Mirror == snapshot, and the stats agree with the open requests and the snapshot."""
         snap = self.client.snapshot()
-        assert snap["epoch"] == self.daemon.epoch
-        self.read_to(snap["seq"])
+        assert snap.epoch == self.daemon.epoch
+        self.read_to(snap.seq)
         keys = []
-        for wire in snap["events"]:
-            e = event_from_wire(wire)
+        for e in snap.events:
             assert isinstance(e, BlockStored) and len(e.block_hashes) == 1
             keys.append((e.block_hashes[0], e.parent_block_hash, tuple(e.token_ids), e.lora_id))
         assert len(keys) == len(set(keys)), "snapshot repeats a block"
@@ -258,9 +258,9 @@ class Workload:
         elif kind == "reset":
             self.reset(op[1])
         elif kind == "pause":
-            assert self.client.pause()["paused"] is True
+            assert self.client.pause().paused is True
         elif kind == "resume":
-            assert self.client.resume()["paused"] is False
+            assert self.client.resume().paused is False
         elif kind == "check":
             self.check()
         else:  # pragma: no cover

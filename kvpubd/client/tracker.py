@@ -30,7 +30,7 @@ so each run's are above the last run's): the tracker never assumes a first seq.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -291,7 +291,7 @@ class StreamTracker:
         out.extend(self._settle_trigger(stream))
         return out
 
-    def on_snapshot(self, rank: int, reply: dict[str, Any]) -> list[Received]:
+    def on_snapshot(self, rank: int, reply: Mapping[str, Any]) -> list[Received]:
         """The reply to ``Snapshot(rank)``: ``{seq, epoch, events}``; the mirror becomes it."""
         stream = self.streams[rank]
         stream.need_snapshot = False
@@ -323,7 +323,7 @@ class StreamTracker:
             self.callbacks.on_resync(rank, seq)
         return []
 
-    def on_ping(self, reply: dict[str, Any]) -> None:
+    def on_ping(self, reply: Mapping[str, Any]) -> None:
         """The reply to ``Ping()``: a new epoch means the daemon restarted."""
         try:
             epoch, served = int(reply["epoch"]), int(reply["ranks"])

@@ -14,6 +14,7 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -28,7 +29,8 @@ log = logging.getLogger("kvpubd")
 # Requests handled per reader wake-up before the loop gets a turn (drain ticks, replays).
 CONTROL_BURST = 64
 
-Reply = bytes | asyncio.Future[bytes]
+# Bytes, or a future of a buffer for a reply built across loop turns (sent without a copy).
+Reply = bytes | asyncio.Future[Any]
 Handler = Callable[[Request], Reply]
 
 
@@ -140,14 +142,17 @@ class ControlServer:
             return error_reply(exc.request_id, exc.code, exc.message)
         return self._handler(request)
 
-    def _send(self, identity: bytes, reply: bytes) -> None:
+    def _send(self, identity: bytes, reply: Any) -> None:
         if self._sock is None:
             return
         try:
-            self._sock.send_multipart([identity, b"", reply], zmq.NOBLOCK)
+            # Large replies (snapshots) go without a copy.
+            self._sock.send_multipart(
+                [identity, b"", reply], zmq.NOBLOCK, copy=isinstance(reply, bytes)
+            )
         except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
             log.debug("control: reply dropped: %s", exc)
 
-    def _send_result(self, identity: bytes, done: asyncio.Future[bytes]) -> None:
-        if not done.cancelled():
+    def _send_result(self, identity: bytes, done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None:
             self._send(identity, done.result())

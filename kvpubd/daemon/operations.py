@@ -11,12 +11,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.snapshot import Buffer, assemble
 from kvpubd.daemon.snapshot import Snapshot as SnapshotData
 from kvpubd.protocol.config import Settings
 from kvpubd.protocol.control import (
@@ -170,23 +172,29 @@ class Operations:
         )
         return {"markers": markers}
 
-    def snapshot(self, request: Snapshot) -> asyncio.Future[bytes]:
-        """Answered once the rank's snapshot job is done (it never holds the loop)."""
+    def snapshot(self, request: Snapshot) -> asyncio.Future[Buffer]:
+        """Answered once the rank's snapshot job is done and its reply put together, both a
+        slice per loop turn: a snapshot never holds the loop."""
         pipeline = self._pipeline(request.rank)
-        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        job = pipeline.snapshot().result
+        return asyncio.ensure_future(self._snapshot_reply(request, pipeline.rank, job))
 
-        def answer(job: asyncio.Future[SnapshotData]) -> None:
-            if reply.done():
-                return
-            if job.cancelled() or job.exception() is not None:
-                error = "snapshot cancelled" if job.cancelled() else repr(job.exception())
-                reply.set_result(error_reply(request.id, "internal", error))
-                return
-            snapshot = job.result()
-            reply.set_result(snapshot_reply(request.id, pipeline.rank, self.epoch, snapshot))
-
-        pipeline.snapshot().result.add_done_callback(answer)
-        return reply
+    async def _snapshot_reply(
+        self, request: Snapshot, rank: int, job: asyncio.Future[SnapshotData]
+    ) -> Buffer:
+        try:
+            snapshot = await asyncio.shield(job)
+        except Exception as exc:
+            log.debug("snapshot of rank %d failed: %r", rank, exc)
+            error = error_reply(request.id, "internal", f"snapshot failed: {exc!r}")
+            return np.frombuffer(error, dtype=np.uint8)
+        packer = msgpack.Packer(use_bin_type=True)
+        head = {"ok": True, "id": request.id, "rank": rank, "seq": snapshot.seq}
+        parts = [packer.pack_map_header(len(head) + 2)]
+        for key, value in (*head.items(), ("epoch", self.epoch)):
+            parts += (packer.pack(key), packer.pack(value))
+        parts += (packer.pack("events"), packer.pack_array_header(snapshot.count))
+        return await assemble([b"".join(parts), *snapshot.chunks])
 
     def pool_info(self, request: PoolInfo) -> dict[str, Any]:
         pipeline = self._pipeline(request.rank)
@@ -195,14 +203,3 @@ class Operations:
     def checksum(self, request: Checksum) -> dict[str, Any]:
         pipeline = self._pipeline(request.rank)
         return {"rank": pipeline.rank, "checksums": pipeline.checksum(request.block_ids)}
-
-
-def snapshot_reply(request_id: Any, rank: int, epoch: int, snapshot: SnapshotData) -> bytes:
-    """``ok_reply`` of a snapshot, with its already encoded events spliced in."""
-    packer = msgpack.Packer(use_bin_type=True)
-    head = {"ok": True, "id": request_id, "rank": rank, "seq": snapshot.seq, "epoch": epoch}
-    parts = [packer.pack_map_header(len(head) + 1)]
-    for key, value in head.items():
-        parts += (packer.pack(key), packer.pack(value))
-    parts += (packer.pack("events"), packer.pack_array_header(snapshot.count), snapshot.body)
-    return b"".join(parts)

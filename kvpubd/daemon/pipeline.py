@@ -191,6 +191,7 @@ class RankPipeline:
         publisher = self.publisher
         return {
             "rank": self.rank,
+            "first_seq": publisher.first_seq,
             "seq": publisher.last_seq,
             "batches_published": publisher.batches,
             "events_published": publisher.events,

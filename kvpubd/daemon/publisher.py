@@ -21,7 +21,7 @@ from typing import Protocol
 
 import zmq
 
-from kvpubd.daemon.snapshot import Snapshot
+from kvpubd.daemon.snapshot import Buffer, Snapshot
 from kvpubd.protocol.wire import END_SEQ, MAX_SEQ, BatchEncoder, Event, WireFormat, pack_seq
 
 
@@ -53,12 +53,15 @@ def seq_origin(mode: str) -> int:
     raise ValueError(f"seq origin {mode!r}: use 'clock' or 'zero'")
 
 
+SnapshotBatch = tuple[int, Buffer]  # (seq, payload) of a replay batch holding the whole state
+
+
 @dataclass(slots=True)
 class _Replay:
     identity: bytes
     next_seq: int
     # Set while the replay waits for a snapshot batch (its history is no longer retained).
-    snapshot: asyncio.Future[Snapshot] | None = None
+    snapshot: asyncio.Future[SnapshotBatch] | None = None
 
 
 class Publisher:
@@ -103,7 +106,9 @@ class Publisher:
         # rank's pipeline); without it such a replay gets what the ring holds.
         self.lost_history: Callable[[], SnapshotSupply] | None = None
         self._pump_scheduled = False
-        self._snapshot_batch: tuple[Snapshot, bytes] | None = None
+        self._snapshot_batches: (
+            tuple[asyncio.Future[Snapshot], asyncio.Future[SnapshotBatch]] | None
+        ) = None
         self._replay_fd: int | None = None
 
         self.pub = context.socket(zmq.PUB)
@@ -223,10 +228,9 @@ class Publisher:
         first = self._next_seq - len(self._ring)
         if replay.next_seq >= first or first == self.first_seq or self.lost_history is None:
             return False
-        job = self.lost_history()
-        replay.snapshot = job.result
+        replay.snapshot = self._snapshot_batch(self.lost_history().result)
         self._waiting.append(replay)
-        job.result.add_done_callback(lambda _: self._snapshot_ready(replay))
+        replay.snapshot.add_done_callback(lambda _: self._snapshot_ready(replay))
         return True
 
     def _snapshot_ready(self, replay: _Replay) -> None:
@@ -235,13 +239,18 @@ class Publisher:
             self._replays.append(replay)
             self._schedule_pump()
 
-    def _snapshot_payload(self, snapshot: Snapshot) -> bytes:
-        """The snapshot's replay batch, encoded once for every replay that sends it."""
-        cached = self._snapshot_batch
-        if cached is None or cached[0] is not snapshot:
-            payload = snapshot.batch_payload(time.time(), self.rank, self.wire_format)
-            cached = self._snapshot_batch = (snapshot, payload)
+    def _snapshot_batch(self, job: asyncio.Future[Snapshot]) -> asyncio.Future[SnapshotBatch]:
+        """The job's replay batch, put together once for every replay that sends it."""
+        cached = self._snapshot_batches
+        if cached is None or cached[0] is not job:
+            batch = asyncio.ensure_future(self._put_together(job))
+            cached = self._snapshot_batches = (job, batch)
         return cached[1]
+
+    async def _put_together(self, job: asyncio.Future[Snapshot]) -> SnapshotBatch:
+        snapshot = await asyncio.shield(job)
+        payload = await snapshot.batch_payload(time.time(), self.rank, self.wire_format)
+        return snapshot.seq, payload
 
     def _stream(self, sock: zmq.Socket, replay: _Replay, limit: int) -> bool:
         """Send up to ``limit`` batches of ``replay`` (its snapshot batch first, if it waited
@@ -249,15 +258,13 @@ class Publisher:
         head = (replay.identity, b"") if self.legacy_replay else (replay.identity, b"", self.topic)
         try:
             if replay.snapshot is not None:
-                job, replay.snapshot = replay.snapshot, None
-                if job.cancelled() or job.exception() is not None:
+                batch, replay.snapshot = replay.snapshot, None
+                if batch.cancelled() or batch.exception() is not None:
                     return True  # no end marker: the client asks again
-                snapshot = job.result()
-                payload = snapshot.batch_payload(time.time(), self.rank, self.wire_format)
-                sock.send_multipart(
-                    (*head, pack_seq(snapshot.seq), payload), zmq.NOBLOCK, copy=False
-                )
-                replay.next_seq = snapshot.seq + 1
+                seq, payload = batch.result()
+                # Without a copy: every replay shares the one payload.
+                sock.send_multipart((*head, pack_seq(seq), payload), zmq.NOBLOCK, copy=False)
+                replay.next_seq = seq + 1
                 if self._wait_for_snapshot(replay):  # the ring moved past it meanwhile
                     return False
             ring = self._ring

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgpack
+import numpy as np
 
 from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, WireFormat, event_to_wire
@@ -26,7 +27,7 @@ from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, WireFormat, even
 log = logging.getLogger(__name__)
 
 SLICE_S = 0.0005  # encoding work per loop turn
-SLICE_ENTRIES = 256  # log entries read between two clock checks
+SLICE_ENTRIES = 32  # log entries read between two clock checks (~0.2 ms of encoding)
 
 
 class SnapshotSource(Protocol):
@@ -41,28 +42,48 @@ class SnapshotSource(Protocol):
     def block_events(self, block_ids: list[int]) -> list[BlockStored]: ...
 
 
+ASSEMBLY_STEP = 1 << 20  # bytes copied per loop turn when a large message is put together
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """The published blocks of one rank at ``seq``: ``count`` events, msgpack-encoded one
-    after another in ``body`` (an array's items without its header)."""
+    after another in ``chunks`` (an array's items without its header, a slice per chunk)."""
 
     seq: int
     count: int
-    body: bytes
+    chunks: list[bytes]
 
-    def batch_payload(self, ts: float, rank: int, wire_format: WireFormat) -> bytes:
+    async def batch_payload(self, ts: float, rank: int, wire_format: WireFormat) -> Buffer:
         """A replay batch that rebuilds the state: ``[ts, [AllBlocksCleared, *stores], rank]``."""
         packer = msgpack.Packer(use_bin_type=True)
-        return b"".join(
+        head = b"".join(
             (
                 packer.pack_array_header(3),
                 packer.pack(ts),
                 packer.pack_array_header(self.count + 1),
                 packer.pack(event_to_wire(AllBlocksCleared(), wire_format)),
-                self.body,
-                packer.pack(rank),
             )
         )
+        return await assemble([head, *self.chunks, packer.pack(rank)])
+
+
+Buffer = np.ndarray
+
+
+async def assemble(parts: list[bytes]) -> Buffer:
+    """The parts joined into one buffer, about ASSEMBLY_STEP bytes copied per loop turn (a
+    snapshot's message can be hundreds of megabytes: one join would hold the loop)."""
+    out = np.empty(sum(len(part) for part in parts), dtype=np.uint8)
+    offset = copied = 0
+    for part in parts:
+        out[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        offset += len(part)
+        copied += len(part)
+        if copied >= ASSEMBLY_STEP:
+            copied = 0
+            await asyncio.sleep(0)
+    return out
 
 
 class SnapshotJob:
@@ -116,10 +137,11 @@ class SnapshotJob:
                 return Snapshot(self.seq, view.count, body)
             # A reset replaced the record mid-way: build again, on the new state.
 
-    async def _encode(self, view: FrozenView) -> bytes | None:
+    async def _encode(self, view: FrozenView) -> list[bytes] | None:
         source = self._source
         fmt = self._wire_format
         packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+        chunks: list[bytes] = []
         while not view.finished:
             if source.current_record() is not view.record:
                 return None
@@ -137,5 +159,8 @@ class SnapshotJob:
                         packer.pack(event_to_wire(saved, fmt))
                 for event in source.block_events(live):
                     packer.pack(event_to_wire(event, fmt))
+            # One chunk per slice: a single growing buffer would be copied whole on growth.
+            chunks.append(packer.bytes())
+            packer.reset()
             await asyncio.sleep(0)
-        return packer.bytes()
+        return chunks

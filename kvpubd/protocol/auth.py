@@ -8,6 +8,7 @@ keys are."""
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
 import stat
@@ -174,8 +175,14 @@ def authorized_keys(directory: Path) -> list[bytes]:
     return keys
 
 
-def create_keys(directory: Path, name: str) -> tuple[Path, Path]:
-    """Write ``name.key`` (public) and ``name.key_secret`` (owner-only) into ``directory``."""
+def create_keys(directory: Path, name: str, force: bool = False) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` (owner-only) into ``directory``.
+    Existing files raise FileExistsError unless ``force``: replacing the secret key locks out
+    every client that trusts the old public key."""
+    if not force:
+        for existing in (directory / f"{name}.key", directory / f"{name}.key_secret"):
+            if existing.exists():
+                raise FileExistsError(errno.EEXIST, "exists", str(existing))
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     public, secret = zmq.auth.create_certificates(directory, name)
     Path(secret).chmod(0o600)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvpubd.exits import USAGE, check_positive, fail, warn
 from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
@@ -116,7 +117,7 @@ class ResetProbe:
             self.recv_reply()
         # Let the drain loop publish everything captured, and read it, so a reset's batch
         # holds the marker alone.
-        while self.client.stats()["ranks"][rank]["events_pending"]:
+        while self.client.stats().ranks[rank].events_pending:
             self.drain_sub(0.01)
 
     def drain_sub(self, quiet_s: float) -> None:
@@ -267,6 +268,34 @@ def measure_resets(
     return results
 
 
+# Fewer resets per size than this give percentiles that mean little.
+MIN_RESETS = 100
+
+
+def _cache_sizes(text: str) -> list[int]:
+    """``--sizes``: comma-separated block counts >= 0 (at least one)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise fail(f"--sizes: {text!r} is not a comma-separated list of block counts >= 0", USAGE)
+    return [int(part) for part in parts]
+
+
+def _check_device(device: str) -> None:
+    """``--device``: cpu, or cuda:N with CuPy and that GPU here (one line otherwise)."""
+    from kvpubd.daemon.pool import check_device
+    from kvpubd.protocol.config import CacheConfig, ValidationError
+
+    try:
+        CacheConfig(device=device)
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise fail(f"--device: {message}", USAGE) from None
+    try:
+        check_device(device)
+    except ValueError as exc:
+        raise fail(f"--device: {exc}", USAGE) from None
+
+
 def _reset_phase(
     probe: ResetProbe,
     size: int,
@@ -336,10 +365,13 @@ def measure_under(
 ) -> dict[str, Any]:
     """Reset -> marker at each size on an idle daemon, then on the same daemon while
     ``load_name`` runs in other processes against its rank 1 (or its ports)."""
+    from kvpubd.protocol.config import ControlConfig
     from kvpubd.tools.bench_load import Load, LoadSpec
     from kvpubd.tools.launcher import free_tcp_ports
 
-    store_tokens = 1_000_000  # the largest store the daemon allows by default
+    # The largest store the daemon allows by default (block_size 16).
+    limits = ControlConfig()
+    store_tokens = min(limits.max_tokens_per_request, limits.max_blocks_per_store * 16)
     load_blocks = {"snapshot": snapshot_blocks, "big-store": 2 * store_tokens // 16}
     num_blocks = max([*sizes, load_blocks.get(load_name, 0), 1024]) + 1024
     overrides: dict[str, dict[str, Any]] = {
@@ -347,7 +379,6 @@ def measure_under(
         # Rank 0 is reset and measured; rank 1 carries the load's cache.
         "events": {"buffer_steps": 1000},
         "service": {"log_level": "warning"},
-        "control": {"max_tokens_per_request": store_tokens},
     }
     overrides["cache"]["data_parallel_size"] = 2
     results: dict[str, Any] = {"under": load_name, "sizes": {}}
@@ -441,8 +472,8 @@ def bench_reset(
     sizes: Annotated[
         str | None,
         typer.Option(
-            help="Cached blocks before each reset, comma-separated "
-            "[default: 0,10000,100000,1000000; with --under 0,100000]."
+            help="Cached blocks before each reset, comma-separated.",
+            show_default="0,10000,100000,1000000; with --under 0,100000",
         ),
     ] = None,
     resets: Annotated[
@@ -486,10 +517,18 @@ def bench_reset(
         from kvpubd.tools.bench_load import LOADS
 
         if under not in LOADS:
-            err.print(f"kvpubd: --under {under!r}: not a load; choose from {', '.join(LOADS)}")
-            raise typer.Exit(2)
-    default_sizes = "0,100000" if under else "0,10000,100000,1000000"
-    size_list = [int(s) for s in (sizes or default_sizes).split(",") if s.strip()]
+            raise fail(f"--under: {under!r} is not a load; choose from {', '.join(LOADS)}", USAGE)
+    size_list = _cache_sizes(sizes or ("0,100000" if under else "0,10000,100000,1000000"))
+    check_positive("--resets", resets, integer=True)
+    check_positive("--reset-timeout", reset_timeout)
+    if not 0 <= idle_ms < float("inf"):
+        raise fail(f"--idle-ms: {idle_ms} is not a number of milliseconds >= 0", USAGE)
+    _check_device(device)
+    if resets < MIN_RESETS:
+        warn(
+            f"{resets} resets per size is too small a sample for a p99 (or a stable p50); "
+            f"use --resets {MIN_RESETS} or more"
+        )
     if under is not None:
         with Progress(console=err, transient=True) as progress:
             result = measure_under(
@@ -710,6 +749,8 @@ def bench_index(
     ] = False,
 ) -> None:
     """Radix index ops/s (store/match/evict mix) and RSS bytes per cached block."""
+    for option, value in (("--blocks", blocks), ("--chain", chain), ("--rounds", rounds)):
+        check_positive(option, value, integer=True)
     with err.status(f"building and exercising an index of {blocks:,} blocks"):
         result = measure_index(blocks, chain, rounds)
     if as_json:
@@ -834,6 +875,12 @@ def bench_publisher(
 ) -> None:
     """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
     loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB."""
+    for option, value in (
+        ("--batches", batches),
+        ("--events-per-batch", events_per_batch),
+        ("--rounds", rounds),
+    ):
+        check_positive(option, value, integer=True)
     with err.status(f"publishing {rounds} x {batches} batches, ours and the floor"):
         result = measure_publisher(batches, events_per_batch, rounds)
     if as_json:
@@ -939,10 +986,10 @@ def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str,
                 probe.recv_reply()
                 in_flight -= 1
             sent_all = time.monotonic()
-            stats = probe.client.stats()["ranks"][0]
-            while stats["events_pending"]:
-                stats = probe.client.stats()["ranks"][0]
-            control_side.send(stats["seq"])
+            stats = probe.client.stats().ranks[0]
+            while stats.events_pending:
+                stats = probe.client.stats().ranks[0]
+            control_side.send(stats.seq)
             counted = results_in.recv()
         finally:
             probe.close()
@@ -955,7 +1002,7 @@ def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str,
         "requests": requests,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
-        "dropped_stored_blocks": stats["dropped_stored_blocks"],
+        "dropped_stored_blocks": stats.dropped_stored_blocks,
     }
 
 
@@ -972,6 +1019,12 @@ def bench_throughput(
 ) -> None:
     """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
     blocks decoded by a subscriber in another process, blocks/s, with the gaps it saw."""
+    for option, value in (
+        ("--requests", requests),
+        ("--window", window),
+        ("--num-blocks", num_blocks),
+    ):
+        check_positive(option, value, integer=True)
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(requests, window, num_blocks)
     if as_json:

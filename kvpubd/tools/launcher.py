@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvpubd.client import ControlClient, ControlTimeout, Subscriber
+from kvpubd.protocol.endpoints import missing_ipc_socket
 
 
 def free_tcp_ports(count: int) -> list[int]:
@@ -109,11 +110,13 @@ class DaemonProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
                 try:
-                    self.epoch = client.ping()["epoch"]
+                    self.epoch = client.ping().epoch
                     return self
                 except ControlTimeout:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"daemon did not answer:\n{self.log()}") from None
+                    if missing_ipc_socket(self.control_endpoint):
+                        time.sleep(0.01)  # not bound yet: the ping failed at once, poll gently
 
     def client(self, timeout: float = 5.0) -> ControlClient:
         return ControlClient(self.control_endpoint, timeout=timeout, curve=self.curve)
