@@ -135,6 +135,7 @@ def test_subscribe_labels_events_with_the_payloads_rank(two_ranks: Daemon) -> No
     with two_ranks.client() as client:
         client.store("r1", list(range(BLOCK_SIZE)), rank=1)
         client.snapshot(1)  # publishes it
+        first = client.stats().ranks[1].first_seq  # rank 1's start-up marker
     base = ["subscribe", "--endpoint", two_ranks.events_endpoint]
     base += ["--replay", two_ranks.replay_endpoint]
     both, only_one, text = kvpubd_all(
@@ -157,8 +158,7 @@ def test_subscribe_labels_events_with_the_payloads_rank(two_ranks: Daemon) -> No
     ]
     stored = text.stdout.splitlines()[1]
     # Text output: '-' for what is not there, never Python reprs.
-    first_seq = lines[0]["seq"]  # the run's start-up marker on rank 1
-    assert stored.startswith(f"rank=1 seq={first_seq + 1} BlockStored blocks=1 parent=- ")
+    assert stored.startswith(f"rank=1 seq={first + 1} BlockStored blocks=1 parent=- ")
     assert "lora=-" in stored
 
 
@@ -170,7 +170,7 @@ def test_topic_is_honoured_on_replayed_batches() -> None:
         with Subscriber(daemon.events_endpoint, daemon.replay_endpoint, topic="kv@pod-1") as sub:
             assert sub.catch_up() == []
         with Subscriber(daemon.events_endpoint, daemon.replay_endpoint, topic="kv@") as sub:
-            assert [b.seq for b in sub.catch_up()] == [0]
+            assert [b.seq for b in sub.catch_up()] == [daemon.first_seq()]
     finally:
         daemon.cleanup()
 
@@ -201,7 +201,8 @@ def test_subscribe_waits_for_the_daemon_then_prints(tmp_path: Path) -> None:
     try:
         assert read_line(proc.stderr).startswith("# waiting for the daemon")
         daemon.start()
-        assert read_line(proc.stdout).startswith("rank=0 seq=0 AllBlocksCleared")
+        first = daemon.first_seq()
+        assert read_line(proc.stdout).startswith(f"rank=0 seq={first} AllBlocksCleared")
     finally:
         proc.kill()
         proc.communicate()
@@ -250,7 +251,8 @@ def test_subscribe_into_a_closed_pipe_exits_0(daemon: Daemon) -> None:
     os.close(write_end)
     try:
         with os.fdopen(read_end) as reader:
-            assert reader.readline().startswith("rank=0 seq=0")  # `head -1`, then it closes
+            first = daemon.first_seq()
+            assert reader.readline().startswith(f"rank=0 seq={first} ")  # `head -1`, then closes
         with daemon.client() as client:  # more lines to print, into the closed pipe
 
             def ended() -> bool:

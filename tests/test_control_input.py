@@ -403,7 +403,7 @@ def test_store_over_block_limit_is_too_large(start_daemon: DaemonFactory) -> Non
         assert "max_blocks_per_store" in refused.value.message
         assert client.stats().ranks == before
         reply = client.store("two", [5] * (3 * BLOCK_SIZE - 1))
-        assert len(reply["block_ids"]) == 3  # two full blocks and the tail
+        assert len(reply.block_ids) == 3  # two full blocks and the tail
 
 
 NO_REPLY: dict[str, list[bytes]] = {

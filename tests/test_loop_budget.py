@@ -209,7 +209,7 @@ def test_maximal_store_and_a_concurrent_reset_are_both_answered(
             sock.close()
             ctx.term()
         assert replies["big"]["ok"] and replies["reset"]["ok"], replies
-        (marker,) = replies["reset"]["markers"]
+        (marker,) = ResetReply.parse(replies["reset"]).markers
         assert_marker_published(tap, marker)
 
 

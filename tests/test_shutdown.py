@@ -96,7 +96,8 @@ def test_stop_publishes_pending_events_and_exits_0(daemon: Daemon, sig: int) -> 
     finally:
         sub.close()
 
-    assert [b.seq for b in seen] == list(range(len(seen)))
+    first = before.first_seq  # the run's first batch, its start-up marker
+    assert [b.seq for b in seen] == list(range(first, first + len(seen)))
     for received in seen:
         mirror.apply(received.batch.events)
     last = seen[-1]

@@ -242,7 +242,8 @@ class _StateCollector(Collector):
             yield _per_rank(CounterMetricFamily, key, help_text, ranks)
 
         for key, help_text in (
-            ("seq", "Seq of the last batch published (-1 before the first)."),
+            ("first_seq", "Seq of the run's first batch: its origin, new at every start."),
+            ("seq", "Seq of the last batch published (first_seq - 1 before the first)."),
             ("blocks_capacity", "Blocks in the pool."),
             ("blocks_used", "Blocks allocated (cached or pinned)."),
             ("blocks_pinned", "Blocks pinned by open requests."),
