@@ -43,6 +43,7 @@ class ConnectionCap:
         self.connections = 0
         self.peak = 0
         self.pauses = 0  # times the cap was reached
+        self.kicked = 0  # connections hung up on, over the cap
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,11 +70,17 @@ class ConnectionCap:
     def drain(self) -> None:
         monitor = self._monitor
         while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            message = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            event = message["event"]
             if event == zmq.EVENT_ACCEPTED:
                 self.connections += 1
                 if self.connections >= self.cap and not self.gate.closed:
                     self._pause()  # at once, not after the rest of the burst is counted
+                if self.connections > self.cap:
+                    # Accepted before the gate closed: hang up at once, so the fds the
+                    # overshoot took are back within a turn of the loop, not a handshake
+                    # timeout later.
+                    self.kicked += self.gate.hang_up(message["value"])
             elif event == zmq.EVENT_DISCONNECTED:
                 # Peers accepted before the monitor existed are not counted: never below 0.
                 self.connections = max(0, self.connections - 1)
@@ -113,6 +120,29 @@ class ListenerGate:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.closed = False
+        with self._socket() as sock:
+            self.port = sock.getsockname()[1]
+
+    def hang_up(self, fd: int) -> bool:
+        """Shut down the connection libzmq accepted as ``fd`` (libzmq then closes it). Checked
+        first: the fd is still a connection to this listener's port, not a number reused."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return False  # closed meanwhile
+        try:
+            if sock.family not in _INET or sock.type != socket.SOCK_STREAM:
+                return False
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            if sock.getsockname()[1] != self.port:
+                return False
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
+        finally:
+            sock.detach()
 
     def close(self) -> None:
         self._setsockopt(SO_ATTACH_FILTER, _DROP_ALL_PROGRAM)

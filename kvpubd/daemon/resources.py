@@ -13,10 +13,10 @@ import resource
 
 log = logging.getLogger("kvpubd")
 
-# Fds kept free beyond those open at start-up: control clients, ZAP, the overshoot of a
-# connection flood before its listener stops accepting, logging, /proc reads.
+# Fds kept free beyond those open at start-up (half the limit): control clients, ZAP, and
+# the overshoot of a connection flood before its listener stops accepting.
 FD_RESERVE_MIN = 64
-FD_RESERVE_FRACTION = 0.25
+FD_RESERVE_FRACTION = 0.5
 
 
 def raise_fd_limit() -> int:
