@@ -231,7 +231,6 @@ def test_follows_a_restart(indexer: Indexer, tcp_daemon: Any, how: str) -> None:
     exact(indexer, daemon)
 
 
-@pytest.mark.xfail(strict=False, reason="needs replay of lost history answered with a snapshot")
 def test_late_join_after_history_left_the_ring(indexer: Indexer, tcp_daemon: Any) -> None:
     """Registered after 10 x buffer_steps batches on a now idle daemon: the indexer holds the
     exact state within 5 s (its replay asks for history the ring no longer holds)."""
