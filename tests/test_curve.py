@@ -240,6 +240,6 @@ def test_sighup_reloads_authorised_keys(curve_daemon: Daemon, keys: dict[str, Pa
     wait_for(lambda: "SIGHUP: reloaded" in curve_daemon.log(), what="the reload")
     assert "2 authorised CURVE client key(s)" in curve_daemon.log()
     with ControlClient(curve_daemon.control_endpoint, timeout=5, curve=curve) as newcomer:
-        assert newcomer.ping()["epoch"] == curve_daemon.epoch
+        assert newcomer.ping().epoch == curve_daemon.epoch
     assert curve_daemon.alive()
     assert curve_daemon.stop() == 0

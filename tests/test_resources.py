@@ -89,7 +89,7 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
         assert daemon.alive(), daemon.log()
 
         with daemon.client() as client:  # a new ipc connection, while the flood holds
-            marker = client.reset(force=True)[0]["seq"]
+            marker = client.reset(force=True).markers[0].seq
         assert sub.poll(10_000), "no marker reached the subscriber"
         _topic, seq, payload = sub.recv_multipart()
         assert int.from_bytes(seq, "big") == marker

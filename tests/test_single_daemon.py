@@ -91,7 +91,7 @@ def test_second_daemon_refuses_and_touches_nothing(tmp_path: Path, first: str) -
             ]
             # Nothing of the first was touched: it answers, its files exist, it publishes.
             assert daemon.alive()
-            assert client.ping()["epoch"] == daemon.epoch
+            assert client.ping().epoch == daemon.epoch
             assert control_file.exists() and segment.exists()
             assert published_after(daemon, client)
         assert "removed stale" not in daemon.log()
@@ -122,7 +122,7 @@ def test_second_daemon_on_a_tcp_control_endpoint_refuses(tmp_path: Path) -> None
         assert second.returncode == 1
         assert f"is in use by a running daemon (pid {daemon.proc.pid})" in second.stderr
         with daemon.client() as client:
-            assert client.ping()["epoch"] == daemon.epoch
+            assert client.ping().epoch == daemon.epoch
         assert daemon.stop() == 0
     finally:
         daemon.cleanup()
@@ -140,7 +140,7 @@ def test_abstract_ipc_control_endpoint(tmp_path: Path, monkeypatch: pytest.Monke
     try:
         daemon.start()
         with daemon.client() as client:
-            assert client.reset()[0]["rank"] == 0
+            assert client.reset().markers[0].rank == 0
         second = serve(daemon.config_path)
         assert second.returncode == 1
         assert f"control endpoint ipc://{name} is in use" in second.stderr

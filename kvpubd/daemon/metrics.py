@@ -242,6 +242,7 @@ class _StateCollector(Collector):
             yield _per_rank(CounterMetricFamily, key, help_text, ranks)
 
         for key, help_text in (
+            ("first_seq", "Seq of this run's first batch, its start marker."),
             ("seq", "Seq of the last batch published (-1 before the first)."),
             ("blocks_capacity", "Blocks in the pool."),
             ("blocks_used", "Blocks allocated (cached or pinned)."),
