@@ -492,7 +492,9 @@ def test_idle_check_finds_a_tail_the_pub_dropped(start_daemon: DaemonFactory) ->
         last = client.snapshot().seq
         pump(sub, lambda: sub.last_seq(0) == last, what="the tail")
         assert sub.counters.replayed > 1  # the tail came through replay
-        assert sub.counters.gaps == 0  # no later live batch revealed it
+        # Batches still queued at the PUB when reading resumes may reveal part of the hole
+        # live (timing); whatever they revealed was repaired, and the tail is there.
+        assert sub.counters.gaps == sub.counters.gaps_repaired
         assert_mirror_is_snapshot(sub, client, [0])
 
 

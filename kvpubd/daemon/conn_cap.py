@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvpubd.daemon.zmq_loop import readable, reader_fd
+
 log = logging.getLogger("kvpubd")
 
 ZMQ_BACKLOG = 100  # libzmq's default accept queue
@@ -60,7 +62,7 @@ class ConnectionCap:
 
     @property
     def fd(self) -> int:
-        return self._monitor.getsockopt(zmq.FD)
+        return reader_fd(self._monitor)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -69,7 +71,7 @@ class ConnectionCap:
 
     def drain(self) -> None:
         monitor = self._monitor
-        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while readable(monitor):
             message = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             event = message["event"]
             if event == zmq.EVENT_ACCEPTED:

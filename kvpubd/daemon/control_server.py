@@ -9,6 +9,7 @@ so it is on the wire before the reply frame is sent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import stat
@@ -20,6 +21,7 @@ import zmq
 
 from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
 from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.zmq_loop import readable, reader_fd
 from kvpubd.protocol.auth import CurveServer
 from kvpubd.protocol.config import ControlConfig
 from kvpubd.protocol.control import ProtocolError, Request, error_reply, parse_request
@@ -90,7 +92,7 @@ class ControlServer:
         """Serve requests from the loop (reader on the socket's edge-triggered FD)."""
         assert self._sock is not None
         loop = asyncio.get_running_loop()
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = reader_fd(self._sock)
         loop.add_reader(self._fd, self._serve)
         # Anything that arrived before the reader existed would not wake it.
         loop.call_soon(self._serve)
@@ -115,15 +117,14 @@ class ControlServer:
         if sock is None:
             return
         for _ in range(CONTROL_BURST):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not readable(sock):
                 return
             frames = sock.recv_multipart(zmq.NOBLOCK)
             reply = self.handle_frames(frames)
             if isinstance(reply, bytes):
                 self._send(frames[0], reply)
             elif reply is not None:
-                identity = frames[0]
-                reply.add_done_callback(lambda done, to=identity: self._send_result(to, done))
+                reply.add_done_callback(functools.partial(self._send_result, frames[0]))
         asyncio.get_running_loop().call_soon(self._serve)
 
     def handle_frames(self, frames: list[bytes]) -> Reply | None:

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
@@ -187,7 +186,7 @@ class Operations:
         except Exception as exc:
             log.debug("snapshot of rank %d failed: %r", rank, exc)
             error = error_reply(request.id, "internal", f"snapshot failed: {exc!r}")
-            return np.frombuffer(error, dtype=np.uint8)
+            return memoryview(error)
         packer = msgpack.Packer(use_bin_type=True)
         head = {"ok": True, "id": request.id, "rank": rank, "seq": snapshot.seq}
         parts = [packer.pack_map_header(len(head) + 2)]

@@ -22,6 +22,7 @@ from typing import Protocol
 import zmq
 
 from kvpubd.daemon.snapshot import Buffer, Snapshot
+from kvpubd.daemon.zmq_loop import readable, reader_fd
 from kvpubd.protocol.wire import END_SEQ, MAX_SEQ, BatchEncoder, Event, WireFormat, pack_seq
 
 
@@ -165,7 +166,7 @@ class Publisher:
         if self.replay is None:
             return
         loop = asyncio.get_running_loop()
-        self._replay_fd = self.replay.getsockopt(zmq.FD)
+        self._replay_fd = reader_fd(self.replay)
         loop.add_reader(self._replay_fd, self._pump)
         self._schedule_pump()  # anything that arrived before the reader existed
 
@@ -194,14 +195,14 @@ class Publisher:
         deadline = time.perf_counter() + slice_s
         for _ in range(REPLAY_ACCEPT):
             # Reading EVENTS after our own sends re-arms the socket's edge-triggered FD.
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not readable(sock):
                 break
             self._accept(sock.recv_multipart(zmq.NOBLOCK))
         while self._replays and time.perf_counter() < deadline:
             replay = self._replays.popleft()
             if not self._stream(sock, replay, REPLAY_CHUNK):
                 self._replays.append(replay)
-        more_requests = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        more_requests = readable(sock)
         return bool(self._replays) or more_requests
 
     def _accept(self, frames: list[bytes]) -> None:
@@ -261,9 +262,11 @@ class Publisher:
                 batch, replay.snapshot = replay.snapshot, None
                 if batch.cancelled() or batch.exception() is not None:
                     return True  # no end marker: the client asks again
-                seq, payload = batch.result()
+                seq, snapshot_payload = batch.result()
                 # Without a copy: every replay shares the one payload.
-                sock.send_multipart((*head, pack_seq(seq), payload), zmq.NOBLOCK, copy=False)
+                sock.send_multipart(
+                    (*head, pack_seq(seq), snapshot_payload), zmq.NOBLOCK, copy=False
+                )
                 replay.next_seq = seq + 1
                 if self._wait_for_snapshot(replay):  # the ring moved past it meanwhile
                     return False

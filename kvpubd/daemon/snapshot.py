@@ -68,16 +68,17 @@ class Snapshot:
         return await assemble([head, *self.chunks, packer.pack(rank)])
 
 
-Buffer = np.ndarray
+Buffer = memoryview  # a large message, sent without a copy
 
 
 async def assemble(parts: list[bytes]) -> Buffer:
     """The parts joined into one buffer, about ASSEMBLY_STEP bytes copied per loop turn (a
     snapshot's message can be hundreds of megabytes: one join would hold the loop)."""
-    out = np.empty(sum(len(part) for part in parts), dtype=np.uint8)
+    # Uninitialised memory (a zero-filled bytearray of this size costs a memset in one go).
+    out = np.empty(sum(len(part) for part in parts), dtype=np.uint8).data
     offset = copied = 0
     for part in parts:
-        out[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        out[offset : offset + len(part)] = part
         offset += len(part)
         copied += len(part)
         if copied >= ASSEMBLY_STEP:

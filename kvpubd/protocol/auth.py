@@ -99,7 +99,7 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         self._next_log = 0.0
         self._suppressed = 0
 
-    def _authenticate_curve(self, domain: str, client_key: bytes) -> Any:  # type: ignore[override]
+    def _authenticate_curve(self, domain: str, client_key: bytes) -> Any:
         # A coroutine in recent pyzmq, a plain result in older ones: pass on whichever it is.
         result = super()._authenticate_curve(domain, client_key)
         if not inspect.isawaitable(result):
