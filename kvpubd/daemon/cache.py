@@ -4,7 +4,7 @@ Every operation validates first and mutates after, so a refused request changes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,21 @@ class Lease:
     tail_block: int | None
 
 
+@dataclass(slots=True)
+class StorePlan:
+    """A store under way: checked and its prefix pinned, its new blocks inserted so far."""
+
+    request_id: RequestId
+    tokens: np.ndarray
+    digests: list[bytes]
+    lora: tuple[int | None, str | None] | None
+    matched: list[int]
+    has_tail: bool
+    generation: int
+    last: int  # the block the next inserted run hangs under
+    new_ids: list[int] = field(default_factory=list)
+
+
 class RankCache:
     def __init__(
         self,
@@ -59,6 +74,7 @@ class RankCache:
         self.leases: dict[RequestId, Lease] = {}
         self.sink = sink
         self.wire_hash = wire_hasher(hash_format)
+        self.generation = 0  # bumped by every clear
 
     @property
     def pinned_blocks(self) -> int:
@@ -74,14 +90,28 @@ class RankCache:
         cache_salt: str | None = None,
     ) -> tuple[list[int], int]:
         """Match the cached prefix, allocate and pin the rest; return (block_ids, cached tokens)."""
+        digests = chain_digests(tokens, self.block_size, root_key(lora_id, cache_salt))
+        plan = self.plan_store(request_id, tokens, digests, lora_id, lora_name)
+        self.insert_some(plan, len(digests))
+        return self.finish_store(plan)
+
+    def plan_store(
+        self,
+        request_id: RequestId,
+        tokens: np.ndarray,
+        digests: list[bytes],
+        lora_id: int | None,
+        lora_name: str | None,
+    ) -> StorePlan:
+        """Check that a store can be done and pin its cached prefix; nothing else changes. The
+        plan is then carried out by ``insert_some`` (in slices, if the caller wants) and
+        ``finish_store``; a ``clear`` in between makes it stale (``plan.stale``)."""
         if request_id in self.leases:
             raise CacheError("duplicate_request", f"request {request_id!r} is already open")
-        size = self.block_size
         index = self.index
-        digests = chain_digests(tokens, size, root_key(lora_id, cache_salt))
         matched = index.match(digests)
         new_count = len(digests) - len(matched)
-        has_tail = len(tokens) % size != 0
+        has_tail = len(tokens) % self.block_size != 0
         needed = new_count + has_tail
         reusable = index.unpinned - sum(1 for block in matched if index.refs(block) == 0)
         available = self.pool.free_count + reusable
@@ -91,36 +121,62 @@ class RankCache:
                 f"request needs {needed} blocks but only {available} can be freed: "
                 f"the other {self.pool.num_blocks - available} are pinned by open requests",
             )
-
         index.pin(matched)
-        shortfall = needed - self.pool.free_count
-        if shortfall > 0:
-            self._evict(shortfall)
-        block_ids = self.pool.allocate(needed)
-        new_ids = block_ids[:new_count]
-        parent = matched[-1] if matched else ROOT
-        if new_count:
-            new_digests = digests[len(matched) :]
-            index.insert_run(
-                new_digests, new_ids, parent, (lora_id, lora_name) if lora_id or lora_name else None
+        return StorePlan(
+            request_id,
+            tokens,
+            digests,
+            (lora_id, lora_name) if lora_id or lora_name else None,
+            matched,
+            has_tail,
+            self.generation,
+            matched[-1] if matched else ROOT,
+        )
+
+    def insert_some(self, plan: StorePlan, limit: int) -> bool:
+        """Insert up to ``limit`` more of the plan's new blocks (evicting as needed); True
+        once all are in. They are pinned at once, so later slices never evict them."""
+        size, index = self.block_size, self.index
+        start = len(plan.matched) + len(plan.new_ids)
+        digests = plan.digests[start : start + limit]
+        if digests:
+            shortfall = len(digests) - self.pool.free_count
+            if shortfall > 0:
+                self._evict(shortfall)
+            ids = self.pool.allocate(len(digests))
+            index.insert_run(digests, ids, plan.last, plan.lora)
+            self.tokens[ids] = plan.tokens[start * size : (start + len(ids)) * size].reshape(
+                len(ids), size
             )
+            plan.new_ids += ids
+            plan.last = ids[-1]
+        return len(plan.matched) + len(plan.new_ids) == len(plan.digests)
+
+    def finish_store(self, plan: StorePlan) -> tuple[list[int], int]:
+        """Allocate the plan's partial tail block, capture its stored run as one event and open
+        its lease; returns (block_ids, cached tokens)."""
+        size, index = self.block_size, self.index
+        new_ids, matched = plan.new_ids, plan.matched
+        if plan.has_tail and self.pool.free_count == 0:
+            self._evict(1)
+        tail = self.pool.allocate(1) if plan.has_tail else []
+        if new_ids:
+            parent = matched[-1] if matched else ROOT
             first = len(matched) * size
-            new_tokens = tokens[first : first + new_count * size]
-            self.tokens[new_ids] = new_tokens.reshape(new_count, size)
+            new_tokens = plan.tokens[first : first + len(new_ids) * size]
             wire_hash = self.wire_hash
+            lora_id, lora_name = plan.lora or (None, None)
             self.sink.stored(
                 parent if parent != ROOT else None,
                 new_ids,
-                wire_hash(new_digests),
+                wire_hash(plan.digests[len(matched) :]),
                 wire_hash([index.digest[parent]])[0] if parent != ROOT else None,
                 new_tokens,
                 lora_id,
                 lora_name,
             )
-        self.leases[request_id] = Lease(
-            matched + new_ids, block_ids[new_count] if has_tail else None
-        )
-        return matched + block_ids, len(matched) * size
+        self.leases[plan.request_id] = Lease(matched + new_ids, tail[0] if tail else None)
+        return matched + new_ids + tail, len(matched) * size
 
     def _evict(self, count: int) -> None:
         evicted = self.index.evict(count)
@@ -142,6 +198,7 @@ class RankCache:
     def clear(self) -> tuple[object, ...]:
         """Drop every block and open request in O(1). Returns the old containers: freeing
         them costs O(blocks), so the caller hands them to the reaper."""
+        self.generation += 1  # store plans in progress are stale now
         old_leases, self.leases = self.leases, {}
         old_index = self.index.clear()
         self.pool.free_all()

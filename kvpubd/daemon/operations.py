@@ -53,7 +53,7 @@ class Operations:
         self.epoch = epoch
         self.paused = False
         self._metrics = metrics
-        self._ops: dict[type, Callable[[Any], dict[str, Any]]] = {
+        self._ops: dict[type, Callable[[Any], dict[str, Any] | asyncio.Future[dict[str, Any]]]] = {
             Ping: self.ping,
             Stats: self.stats,
             Store: self.store,
@@ -72,7 +72,10 @@ class Operations:
         try:
             if isinstance(request, Snapshot):
                 return self.snapshot(request)
-            return ok_reply(request.id, **self._ops[type(request)](request))
+            result = self._ops[type(request)](request)
+            if isinstance(result, asyncio.Future):
+                return self._later(request, result)
+            return ok_reply(request.id, **result)
         except CacheError as exc:
             error_code = exc.code
             return error_reply(request.id, exc.code, exc.message)
@@ -82,6 +85,28 @@ class Operations:
             return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
         finally:
             self._metrics.control(request.op, error_code)
+
+    def _later(
+        self, request: Request, pending: asyncio.Future[dict[str, Any]]
+    ) -> asyncio.Future[bytes]:
+        """The reply to a request whose op finishes on a later loop turn."""
+        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        def answer(done: asyncio.Future[dict[str, Any]]) -> None:
+            if done.cancelled():
+                reply.set_result(error_reply(request.id, "internal", "stopped before it finished"))
+            elif isinstance(exc := done.exception(), CacheError):
+                reply.set_result(error_reply(request.id, exc.code, exc.message))
+            elif exc is not None:
+                log.error("control: %s failed: %r", request.op, exc)
+                reply.set_result(
+                    error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
+                )
+            else:
+                reply.set_result(ok_reply(request.id, **done.result()))
+
+        pending.add_done_callback(answer)
+        return reply
 
     def _pipeline(self, rank: int) -> RankPipeline:
         if rank >= len(self.pipelines):
@@ -117,7 +142,7 @@ class Operations:
         log.info("periodic drain %s", "paused" if self.paused else "resumed")
         return {"paused": self.paused}
 
-    def store(self, request: Store) -> dict[str, Any]:
+    def store(self, request: Store) -> dict[str, Any] | asyncio.Future[dict[str, Any]]:
         pipeline = self._pipeline(request.rank)
         limit = self.settings.control.max_tokens_per_request
         count = token_count(request.token_ids)

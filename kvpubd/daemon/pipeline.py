@@ -7,6 +7,7 @@ Every operation validates first and mutates after, so a refused request changes 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from kvpubd.daemon.publisher import Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
+from kvpubd.daemon.stores import SYNC_BLOCKS, StoreQueue, StoreResult
 from kvpubd.protocol.config import Settings, rank_endpoint
 from kvpubd.protocol.wire import BlockStored
 
@@ -69,6 +71,7 @@ class RankPipeline:
             pool_name=pool_segment_name(settings.control.endpoint, rank),
         )
         self.resets = 0
+        self._stores = StoreQueue(self.cache)
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
         # Replays of history the ring no longer holds start from a snapshot batch.
@@ -96,7 +99,8 @@ class RankPipeline:
     # -- operations ---------------------------------------------------------------------------
 
     def has_request(self, request_id: str | int) -> bool:
-        return request_id in self.cache.leases
+        """Open, or still being stored."""
+        return request_id in self.cache.leases or self._stores.holds(request_id)
 
     @property
     def open_requests(self) -> int:
@@ -109,8 +113,20 @@ class RankPipeline:
         lora_id: int | None,
         lora_name: str | None,
         cache_salt: str | None,
-    ) -> dict[str, Any]:
-        block_ids, cached = self.cache.store(request_id, tokens, lora_id, lora_name, cache_salt)
+    ) -> dict[str, Any] | asyncio.Future[dict[str, Any]]:
+        """The store's reply fields, or a future of them for a store done in slices (a large
+        one, or any behind one)."""
+        if self._stores.busy or len(tokens) // self.cache.block_size > SYNC_BLOCKS:
+            stored = self._stores.submit(request_id, tokens, lora_id, lora_name, cache_salt)
+            reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            stored.add_done_callback(lambda done: _chain(done, reply, self._store_reply))
+            return reply
+        return self._store_reply(
+            self.cache.store(request_id, tokens, lora_id, lora_name, cache_salt)
+        )
+
+    def _store_reply(self, result: StoreResult) -> dict[str, Any]:
+        block_ids, cached = result
         return {"rank": self.rank, "block_ids": block_ids, "num_cached_tokens": cached}
 
     def release(self, request_id: str | int) -> int:
@@ -212,7 +228,24 @@ class RankPipeline:
         }
 
     def close(self) -> None:
+        self._stores.close()
         if self._snapshot is not None:
             self._snapshot.cancel()
         self.publisher.close()
         self.cache.pool.close()
+
+
+def _chain(
+    done: asyncio.Future[StoreResult],
+    into: asyncio.Future[dict[str, Any]],
+    convert: Callable[[StoreResult], dict[str, Any]],
+) -> None:
+    """Pass a finished future's outcome on, converted."""
+    if into.done():
+        return
+    if done.cancelled():
+        into.cancel()
+    elif done.exception() is not None:
+        into.set_exception(done.exception())  # type: ignore[arg-type]
+    else:
+        into.set_result(convert(done.result()))

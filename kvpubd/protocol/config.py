@@ -95,9 +95,9 @@ class ControlConfig(_Section):
     endpoint: str = Field(default_factory=default_control_endpoint)
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_tokens_per_request: int = Field(1_000_000, ge=1)
-    # New blocks one store may add: its work runs in one loop step (about 3 us per block),
-    # so this bounds how long a store can hold a reset back.
-    max_blocks_per_store: int = Field(16_384, ge=1)
+    # Full blocks one store may cover: a large store runs in slices across loop turns, so
+    # this bounds its total work and memory, not how long it holds the loop.
+    max_blocks_per_store: int = Field(65_536, ge=1)
     # CURVE authentication: the daemon's secret certificate and a directory of the public
     # certificates of the clients it admits (both, or neither for no authentication).
     curve_secret_key: str = ""

@@ -1,0 +1,114 @@
+"""Stores too large for one loop step, carried out a slice at a time.
+
+A store costs a few microseconds per new block (hash chain, eviction, index, pool), so one of
+thousands of blocks would hold a reset back for tens of milliseconds. Such a store is hashed,
+then inserted, ``SLICE_BLOCKS`` blocks per loop turn; a reset in between wins, and the store
+starts again on the emptied cache (its hashes are kept). While one is under way, every later
+store of the rank queues behind it: stores apply in arrival order, and no other store sees its
+half-inserted blocks or changes the pool between its check and its last slice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpubd.daemon.cache import CacheError, RankCache, RequestId
+from kvpubd.protocol.hashing import chain_digests, root_key
+
+log = logging.getLogger(__name__)
+
+SYNC_BLOCKS = 512  # full blocks a store may cover and still run in one loop step
+SLICE_BLOCKS = 512  # blocks hashed, or inserted, per loop turn
+
+StoreResult = tuple[list[int], int]  # block ids, cached tokens
+
+
+@dataclass(slots=True)
+class _Queued:
+    request_id: RequestId
+    tokens: np.ndarray
+    lora_id: int | None
+    lora_name: str | None
+    cache_salt: str | None
+    result: asyncio.Future[StoreResult] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class StoreQueue:
+    def __init__(self, cache: RankCache) -> None:
+        self._cache = cache
+        self._queue: deque[_Queued] = deque()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue)
+
+    def holds(self, request_id: RequestId) -> bool:
+        return any(item.request_id == request_id for item in self._queue)
+
+    def submit(
+        self,
+        request_id: RequestId,
+        tokens: np.ndarray,
+        lora_id: int | None,
+        lora_name: str | None,
+        cache_salt: str | None,
+    ) -> asyncio.Future[StoreResult]:
+        item = _Queued(request_id, tokens, lora_id, lora_name, cache_salt)
+        self._queue.append(item)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="kvpubd large stores")
+        return item.result
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for item in self._queue:
+            item.result.cancel()
+        self._queue.clear()
+
+    async def _run(self) -> None:
+        while self._queue:
+            item = self._queue[0]
+            try:
+                result = await self._store(item)
+            except CacheError as exc:
+                item.result.set_exception(exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug: fail this store, keep serving
+                log.exception("store %r failed", item.request_id)
+                item.result.set_exception(exc)
+            else:
+                item.result.set_result(result)
+            self._queue.popleft()
+
+    async def _store(self, item: _Queued) -> StoreResult:
+        cache = self._cache
+        size = cache.block_size
+        digests: list[bytes] = []
+        link = root_key(item.lora_id, item.cache_salt)
+        for start in range(0, len(item.tokens) // size, SLICE_BLOCKS):
+            part = chain_digests(
+                item.tokens[start * size : (start + SLICE_BLOCKS) * size], size, link
+            )
+            digests += part
+            link = part[-1]
+            await asyncio.sleep(0)
+        while True:
+            plan = cache.plan_store(
+                item.request_id, item.tokens, digests, item.lora_id, item.lora_name
+            )
+            while not cache.insert_some(plan, SLICE_BLOCKS):
+                await asyncio.sleep(0)
+                if plan.generation != cache.generation:
+                    break  # a reset emptied the cache: start again on the new state
+            else:
+                return cache.finish_store(plan)

@@ -1,0 +1,110 @@
+"""Stores too large for one loop step are carried out a slice at a time: they keep arrival
+order with the stores behind them, a reset behind one is answered first and wins (the store
+then lands on the emptied cache), and the stream stays exact."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from kvpubd.daemon.stores import SYNC_BLOCKS
+from tests.conftest import DaemonFactory
+from tests.daemon import Daemon
+from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
+
+BLOCK_SIZE = 16
+LARGE = 4 * SYNC_BLOCKS  # full blocks of a store that takes several loop turns
+
+
+def prompt(blocks: int, seed: int) -> bytes:
+    tokens = np.random.default_rng(seed).integers(1, 60_000, blocks * BLOCK_SIZE, dtype="<u4")
+    return tokens.tobytes()
+
+
+@pytest.fixture
+def large_daemon(start_daemon: DaemonFactory) -> Daemon:
+    return start_daemon(cache={"num_blocks": 4 * LARGE})
+
+
+@pytest.fixture
+def dealer(large_daemon: Daemon) -> Iterator[zmq.Socket]:
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(large_daemon.control_endpoint)
+    yield sock
+    sock.close()
+    context.term()
+
+
+def send_all(sock: zmq.Socket, *requests: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send the requests back to back on one DEALER; the replies in the order they came."""
+    for request in requests:
+        sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
+    replies = []
+    while len(replies) < len(requests):
+        assert sock.poll(30_000), f"replies so far: {replies}"
+        replies.append(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))
+    return replies
+
+
+def test_stores_keep_arrival_order_behind_a_large_one(
+    large_daemon: Daemon, dealer: zmq.Socket
+) -> None:
+    """A small store sent right behind a large one sharing its prefix is answered after it,
+    and finds the large store's blocks cached."""
+    big = prompt(LARGE, 1)
+    small = big[: 8 * BLOCK_SIZE * 4]  # its first 8 blocks
+    replies = send_all(
+        dealer,
+        {"op": "store", "id": "big", "request_id": "big", "token_ids": big},
+        {"op": "store", "id": "small", "request_id": "small", "token_ids": small},
+    )
+    assert [r["id"] for r in replies] == ["big", "small"]
+    big_reply, small_reply = replies
+    assert big_reply["ok"] and small_reply["ok"], replies
+    assert len(big_reply["block_ids"]) == LARGE and big_reply["num_cached_tokens"] == 0
+    assert small_reply["num_cached_tokens"] == 8 * BLOCK_SIZE
+    assert small_reply["block_ids"] == big_reply["block_ids"][:8]
+
+
+def test_duplicate_id_of_a_store_under_way_is_refused(
+    large_daemon: Daemon, dealer: zmq.Socket
+) -> None:
+    replies = send_all(
+        dealer,
+        {"op": "store", "id": 1, "request_id": "same", "token_ids": prompt(LARGE, 2)},
+        {"op": "store", "id": 2, "request_id": "same", "token_ids": prompt(2, 3)},
+    )
+    by_id = {r["id"]: r for r in replies}
+    assert by_id[1]["ok"]
+    assert by_id[2]["error"]["code"] == "duplicate_request"
+
+
+def test_reset_behind_a_large_store_is_answered_first_and_the_stream_stays_exact(
+    large_daemon: Daemon, dealer: zmq.Socket
+) -> None:
+    sub = subscriber("sync", large_daemon)
+    try:
+        with large_daemon.client() as client:
+            go_live(sub, client, [0])
+            replies = send_all(
+                dealer,
+                {"op": "store", "id": "store", "request_id": "r", "token_ids": prompt(LARGE, 4)},
+                {"op": "reset", "id": "reset", "force": True},
+            )
+            assert [r["id"] for r in replies] == ["reset", "store"], replies
+            reset, store = replies[0], replies[1]
+            assert reset["ok"] and store["ok"], replies
+            # The reset came first, so the store's blocks are what the cache holds now.
+            assert len(store["block_ids"]) == LARGE
+            assert client.stats().ranks[0].blocks_cached == LARGE
+            assert_mirror_is_snapshot(sub, client, [0])
+            client.release("r")
+    finally:
+        sub.close()
