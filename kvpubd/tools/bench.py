@@ -322,9 +322,10 @@ def _reset_phase(
                 load.hold()
             if size:
                 probe.populate(size, round_no)
-            if load is None:
-                probe.drain_sub(idle_ms / 1000)
-            else:
+            # Read the refill's events first: the marker comes after everything published
+            # before it, so a backlog at the subscriber would be timed as the reset's.
+            probe.drain_sub(idle_ms / 1000)
+            if load is not None:
                 before = load.ops
                 load.run()
                 if not load.wait_active(before, reset_timeout):

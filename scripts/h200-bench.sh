@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Benchmarks and GPU tests on a machine with a GPU and no network (the H200 host the closing
+# notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
+# `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
+# msgspec pytest-asyncio`). Results go to $OUT (default ./bench-out). Usage:
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput|publisher|ranks
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}; mkdir -p "$OUT"
+WHEELS=${WHEELS:-.devwheels}
+python3 -m pip install -q --no-index --find-links "$WHEELS" pyzmq pydantic pydantic-settings \
+    msgspec pytest-asyncio >/dev/null 2>&1 || echo "h200-bench: wheels not installed" >&2
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+    || export PYTHONPATH=$PWD
+K="python3 -m kvpubd"
+case "${1:-}" in
+  gpu-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pool_sharing.py \
+                 tests/test_reset_contract.py -m "not slow" 2>&1 | tail -5 ;;
+  reset) $K bench reset --sizes 0,10000,100000,1000000 --resets 200 --json > "$OUT/reset-cpu.json"
+         $K bench reset --sizes 0,1000000 --resets 200 --device cuda:0 --json > "$OUT/reset-cuda.json" ;;
+  under) $K bench reset --under "$2" --sizes 1000000 --resets "${3:-100}" --json > "$OUT/under-$2.json" ;;
+  throughput) $K bench throughput --json > "$OUT/throughput.json" ;;
+  publisher) $K bench publisher --against-vllm --json > "$OUT/publisher.json" ;;
+  ranks) for r in 1 2 4 8; do $K bench throughput --ranks "$r" --json > "$OUT/ranks-$r.json"; done ;;
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput|publisher|ranks" >&2; exit 2 ;;
+esac
