@@ -10,7 +10,7 @@ import numpy as np
 
 from kvpubd.daemon.pool import create_pool
 from kvpubd.daemon.radix import ROOT, RadixIndex
-from kvpubd.daemon.sink import EventSink
+from kvpubd.daemon.sink import PLAIN, EventSink, StoreKeys, stored_event
 from kvpubd.protocol.config import CacheConfig
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
 from kvpubd.protocol.wire import BlockStored
@@ -79,6 +79,11 @@ class RankCache:
         size = self.block_size
         index = self.index
         digests = chain_digests(tokens, size, root_key(lora_id, cache_salt))
+        keys = (
+            PLAIN
+            if lora_id is None and lora_name is None and cache_salt is None
+            else StoreKeys.of(lora_id, lora_name, cache_salt)
+        )
         matched = index.match(digests)
         new_count = len(digests) - len(matched)
         has_tail = len(tokens) % size != 0
@@ -101,21 +106,18 @@ class RankCache:
         parent = matched[-1] if matched else ROOT
         if new_count:
             new_digests = digests[len(matched) :]
-            index.insert_run(
-                new_digests, new_ids, parent, (lora_id, lora_name) if lora_id or lora_name else None
-            )
+            index.insert_run(new_digests, new_ids, parent, keys)
             first = len(matched) * size
             new_tokens = tokens[first : first + new_count * size]
             self.tokens[new_ids] = new_tokens.reshape(new_count, size)
             wire_hash = self.wire_hash
             self.sink.stored(
-                parent if parent != ROOT else None,
-                new_ids,
-                wire_hash(new_digests),
-                wire_hash([index.digest[parent]])[0] if parent != ROOT else None,
-                new_tokens,
-                lora_id,
-                lora_name,
+                parent_block=parent if parent != ROOT else None,
+                block_ids=new_ids,
+                hashes=wire_hash(new_digests),
+                parent_hash=wire_hash([index.digest[parent]])[0] if parent != ROOT else None,
+                token_ids=new_tokens,
+                keys=keys,
             )
         self.leases[request_id] = Lease(
             matched + new_ids, block_ids[new_count] if has_tail else None
@@ -160,16 +162,14 @@ class RankCache:
         events = []
         for block_id in published:
             parent = index.parent[block_id]
-            lora_id, lora_name = index.lora[block_id] or (None, None)
             events.append(
-                BlockStored(
-                    [hashes[block_id]],
-                    hashes[parent] if parent != ROOT else None,
-                    self.tokens[block_id].tolist(),
-                    size,
-                    lora_id,
-                    medium,
-                    lora_name,
+                stored_event(
+                    hashes=[hashes[block_id]],
+                    parent_hash=hashes[parent] if parent != ROOT else None,
+                    token_ids=self.tokens[block_id].tolist(),
+                    block_size=size,
+                    medium=medium,
+                    keys=index.keys[block_id],
                 )
             )
         return events

@@ -13,6 +13,7 @@ runs tail-first in least-recently-used order.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 ROOT = -1  # parent of a first block
 
@@ -22,7 +23,9 @@ class RadixIndex:
         self._block_of: dict[bytes, int] = {}
         self.digest: list[bytes] = [b""] * capacity
         self.parent: list[int] = [ROOT] * capacity
-        self.lora: list[tuple[int | None, str | None] | None] = [None] * capacity
+        # What each block's store mixed into its identity (LoRA, salt), exactly as published:
+        # one shared object per store, kept so that a snapshot repeats the stream.
+        self.keys: list[Any] = [None] * capacity
         self._children: list[int] = [0] * capacity
         self._refs: list[int] = [0] * capacity
         # Unpinned leaves, oldest first.
@@ -77,18 +80,18 @@ class RadixIndex:
         digests: list[bytes],
         block_ids: list[int],
         parent: int,
-        lora: tuple[int | None, str | None] | None,
+        keys: Any,
     ) -> None:
         """Add a chain of blocks under ``parent`` (ROOT or a block the caller holds pinned);
         each starts pinned once."""
         block_of = self._block_of
-        digest_of, parent_of, lora_of = self.digest, self.parent, self.lora
+        digest_of, parent_of, keys_of = self.digest, self.parent, self.keys
         children, refs = self._children, self._refs
         for digest, block_id in zip(digests, block_ids, strict=True):
             block_of[digest] = block_id
             digest_of[block_id] = digest
             parent_of[block_id] = parent
-            lora_of[block_id] = lora
+            keys_of[block_id] = keys
             children[block_id] = 0
             refs[block_id] = 1
             if parent != ROOT:

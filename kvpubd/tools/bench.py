@@ -469,17 +469,19 @@ def _publisher_batches(count: int, events_per_batch: int, seed: int = 0) -> list
                 blocks = int(rng.integers(1, 33))
                 events.append(
                     BlockStored(
-                        rng.integers(0, 2**63, size=blocks).tolist(),
-                        int(rng.integers(0, 2**63)),
-                        rng.integers(0, 150_000, size=16 * blocks).tolist(),
-                        16,
-                        None,
-                        "GPU",
-                        None,
+                        block_hashes=rng.integers(0, 2**63, size=blocks).tolist(),
+                        parent_block_hash=int(rng.integers(0, 2**63)),
+                        token_ids=rng.integers(0, 150_000, size=16 * blocks).tolist(),
+                        block_size=16,
+                        lora_id=None,
+                        medium="GPU",
+                        lora_name=None,
                     )
                 )
             else:
-                events.append(BlockRemoved(rng.integers(0, 2**63, size=4).tolist(), "GPU"))
+                events.append(
+                    BlockRemoved(block_hashes=rng.integers(0, 2**63, size=4).tolist(), medium="GPU")
+                )
         batches.append(events)
     return batches
 
