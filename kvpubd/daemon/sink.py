@@ -120,7 +120,8 @@ class EventSink:
             stored_event(
                 hashes=hashes[:count],
                 parent_hash=parent_hash,
-                token_ids=token_ids[: count * self.block_size].tolist(),
+                # The cache's uint32 array itself: the encoder writes it without Python ints.
+                token_ids=token_ids[: count * self.block_size],  # type: ignore[arg-type]
                 block_size=self.block_size,
                 medium=self.medium,
                 keys=keys,

@@ -19,6 +19,7 @@ import operator
 from typing import Any, ClassVar, Literal
 
 import msgspec
+import numpy as np
 
 BlockHash = int | bytes
 WireFormat = Literal["map", "array"]
@@ -40,6 +41,8 @@ class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 class BlockStored(KVCacheEvent):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
+    # Decoded as a list; to encode, the daemon hands over the cache's own uint32 array (see
+    # ``_encode_array``), so no Python int is made per token.
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -123,6 +126,43 @@ def to_array(event: Event) -> tuple[Any, ...]:
 
 # -- encoding and decoding ------------------------------------------------------------------
 
+_U16_ITEM = np.dtype([("marker", "u1"), ("value", ">u2")])
+_U32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])
+
+
+def _array_header(count: int) -> bytes:
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 1 << 16:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+def _token_arrays_raw(arrays: list[np.ndarray]) -> dict[int, msgspec.Raw]:
+    """The msgpack arrays of a batch's NumPy token arrays, written by NumPy in one pass over
+    the whole batch: unsigned ints all of one width (uint16 when every id in the batch fits,
+    else uint32). Any msgpack decoder reads them as the same lists of ints; ids under 128
+    take 3 bytes instead of 1, which real vocabularies (mostly ids >= 128) hardly notice.
+    Keyed by ``id()`` of each array, for the encoder's hook."""
+    flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    narrow = len(flat) == 0 or int(flat.max()) < 1 << 16
+    items = np.empty(len(flat), _U16_ITEM if narrow else _U32_ITEM)
+    items["marker"] = 0xCD if narrow else 0xCE
+    items["value"] = flat
+    data = items.tobytes()
+    width = items.itemsize
+    raws: dict[int, msgspec.Raw] = {}
+    start = 0
+    for array in arrays:
+        end = start + len(array) * width
+        raws[id(array)] = msgspec.Raw(_array_header(len(array)) + data[start:end])
+        start = end
+    return raws
+
+
+def _is_token_array(obj: Any) -> bool:
+    return type(obj) is np.ndarray and obj.dtype.kind == "u" and obj.dtype.itemsize <= 4
+
 
 def pack_seq(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
@@ -137,8 +177,14 @@ def unpack_seq(frame: bytes) -> int:
 def event_to_wire(event: Event, wire_format: WireFormat) -> Any:
     """The plain (msgpack-ready) form of one event, e.g. for the control protocol's snapshot."""
     if wire_format == "map":
-        return msgspec.to_builtins(event, builtin_types=(bytes,))
-    return msgspec.to_builtins(to_array(event), builtin_types=(bytes,))
+        return msgspec.to_builtins(event, builtin_types=(bytes,), enc_hook=_to_list)
+    return msgspec.to_builtins(to_array(event), builtin_types=(bytes,), enc_hook=_to_list)
+
+
+def _to_list(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot convert {type(obj).__name__}")
 
 
 def event_from_wire(obj: Any) -> Event:
@@ -154,18 +200,40 @@ def event_from_wire(obj: Any) -> Event:
 
 
 class BatchEncoder:
-    """Encodes event batches for one rank; one msgspec encoder reused for every batch."""
+    """Encodes event batches for one rank; one msgspec encoder reused for every batch.
+
+    Token ids may be given as the cache's NumPy uint32 arrays instead of lists: the batch's
+    arrays are encoded together by NumPy (no Python int per token) and handed to msgspec as
+    pre-encoded parts."""
 
     def __init__(self, wire_format: WireFormat, rank: int) -> None:
         self.wire_format = wire_format
         self.rank = rank
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._raws: dict[int, msgspec.Raw] = {}
+        self._encode = msgspec.msgpack.Encoder(enc_hook=self._hook).encode
         self._array = wire_format == "array"
 
+    def _hook(self, obj: Any) -> Any:
+        raw = self._raws.get(id(obj))
+        if raw is not None:
+            return raw
+        return _to_list(obj)
+
     def encode(self, ts: float, events: list[Event]) -> bytes:
-        if self._array:
-            return self._encode((ts, [to_array(e) for e in events], self.rank))
-        return self._encode((ts, events, self.rank))
+        arrays = [
+            e.token_ids
+            for e in events
+            if type(e) is BlockStored and _is_token_array(e.token_ids)  # type: ignore[unreachable]
+        ]
+        if arrays:
+            self._raws = _token_arrays_raw(arrays)  # type: ignore[arg-type]
+        try:
+            if self._array:
+                return self._encode((ts, [to_array(e) for e in events], self.rank))
+            return self._encode((ts, events, self.rank))
+        finally:
+            if arrays:
+                self._raws = {}
 
 
 _MAP_DECODER = msgspec.msgpack.Decoder(EventBatch)

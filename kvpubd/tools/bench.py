@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import time
+import zipfile
 from typing import Annotated, Any
 
 import msgpack
@@ -555,14 +556,28 @@ def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[
 @bench_app.command("publisher")
 def bench_publisher(
     batches: Annotated[int, typer.Option(help="Pre-built batches per round.")] = 2000,
-    events_per_batch: Annotated[int, typer.Option(help="Events per batch.")] = 20,
+    events_per_batch: Annotated[int, typer.Option(help="Events per batch (floor mode).")] = 20,
     rounds: Annotated[int, typer.Option(help="Alternating rounds (median reported).")] = 7,
+    against_vllm: Annotated[
+        bool,
+        typer.Option(
+            "--against-vllm",
+            help="Beside vLLM's own ZmqEventPublisher on identical batches (8 BlockStored x 16 "
+            "blocks x 16 tokens), each stream decoded in another process by vLLM's KVEventBatch. "
+            "Needs vLLM's kv_events.py: $KVPUBD_VLLM_KV_EVENTS or "
+            "~/.cache/kvpubd/vllm/kv_events.py (see `kvpubd bench vllm-extract`).",
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
     """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
-    loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB."""
+    loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB; or, with
+    --against-vllm, blocks/s beside vLLM's own publisher."""
+    if against_vllm:
+        _bench_against_vllm(batches, rounds, as_json)
+        return
     with err.status(f"publishing {rounds} x {batches} batches, ours and the floor"):
         result = measure_publisher(batches, events_per_batch, rounds)
     if as_json:
@@ -577,6 +592,66 @@ def bench_publisher(
         f"{result['events_per_s']:,}", f"{result['floor_events_per_s']:,}", f"{result['ratio']:.0%}"
     )
     Console().print(table)
+
+
+def _bench_against_vllm(batches: int, rounds: int, as_json: bool) -> None:
+    from kvpubd.tools import vllm_peer
+
+    path = vllm_peer.kv_events_path()
+    if not path.is_file():
+        reason = (
+            f"vLLM's kv_events.py not found at {path}: set {vllm_peer.ENV_VAR} or run "
+            "`kvpubd bench vllm-extract WHEEL`; comparison skipped"
+        )
+        err.print(f"kvpubd: {reason}")
+        if as_json:
+            typer.echo(json.dumps({"skipped": reason}))
+        return
+    with err.status(f"{rounds} alternating rounds of {batches} batches, kvpubd and vLLM"):
+        result = vllm_peer.measure_against_vllm(batches, rounds, path)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    table = Table(
+        title=f"publisher vs vLLM's ZmqEventPublisher: {batches} batches of {result['batch']}, "
+        f"median of {rounds}",
+        caption="blocks/s from the first publish to the last decode (vLLM's KVEventBatch)",
+    )
+    for column in (
+        "kvpubd blocks/s",
+        "vLLM blocks/s",
+        "kvpubd / vLLM",
+        "paired rounds",
+        "kvpubd CPU us/block",
+        "vLLM CPU us/block",
+    ):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{result['kvpubd_blocks_per_s']:,}",
+        f"{result['vllm_blocks_per_s']:,}",
+        f"{result['ratio']:.2f}x",
+        f"{result['paired_ratio']:.2f}x",
+        f"{result['kvpubd_cpu_us_per_block']:.3f}",
+        f"{result['vllm_cpu_us_per_block']:.3f}",
+    )
+    Console().print(table)
+
+
+@bench_app.command("vllm-extract")
+def bench_vllm_extract(
+    wheel: Annotated[str, typer.Argument(help="A vLLM wheel (pip download vllm --no-deps).")],
+) -> None:
+    """Copy vllm/distributed/kv_events.py out of a vLLM wheel to where --against-vllm looks."""
+    from pathlib import Path
+
+    from kvpubd.tools import vllm_peer
+
+    try:
+        dest = vllm_peer.extract_from_wheel(Path(wheel), vllm_peer.kv_events_path())
+    except (OSError, KeyError, zipfile.BadZipFile) as exc:
+        err.print(f"kvpubd: cannot extract {vllm_peer.WHEEL_MEMBER} from {wheel}: {exc}")
+        raise typer.Exit(1) from None
+    typer.echo(str(dest))
 
 
 def make_prompts(count: int, seed: int = 0) -> list[bytes]:
