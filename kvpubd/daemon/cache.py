@@ -128,7 +128,7 @@ class RankCache:
         evicted = self.index.evict(count)
         digest = self.index.digest
         hashes = self.wire_hash([digest[block_id] for block_id in evicted])
-        self.sink.removed(zip(evicted, hashes, strict=True))
+        self.sink.removed(evicted, hashes)
         self.pool.free(evicted)
 
     def release(self, request_id: RequestId) -> int:

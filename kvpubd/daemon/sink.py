@@ -3,7 +3,6 @@ cap, and the record of which blocks are published (so removals and children stay
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -113,9 +112,9 @@ class EventSink:
         if count == 0:
             return
         self._budget -= count
-        published = self.published
-        for block_id in block_ids[:count]:
-            published[block_id] = None
+        self.published.update(
+            dict.fromkeys(block_ids[:count] if count < len(block_ids) else block_ids)
+        )
         self._pending.append(
             stored_event(
                 hashes=hashes[:count],
@@ -128,16 +127,14 @@ class EventSink:
             )
         )
 
-    def removed(self, blocks: Iterable[tuple[int, BlockHash]]) -> None:
+    def removed(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
         """Capture removals; only blocks whose store was published are named."""
-        published = self.published
-        hashes = []
-        for block_id, block_hash in blocks:
-            if block_id in published:
-                del published[block_id]
-                hashes.append(block_hash)
-        if hashes:
-            self._pending.append(BlockRemoved(block_hashes=hashes, medium=self.medium))
+        pop = self.published.pop
+        named = [
+            h for block_id, h in zip(block_ids, hashes, strict=True) if pop(block_id, 0) is None
+        ]
+        if named:
+            self._pending.append(BlockRemoved(block_hashes=named, medium=self.medium))
 
     def cleared(self) -> dict[int, None]:
         """Append the reset marker after everything captured; it never counts against the cap.
