@@ -708,58 +708,92 @@ def _count_stored(endpoint: str, ready: Any, results: Any) -> None:
     ctx.term()
 
 
-def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str, Any]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_throughput(
+    requests: int, window: int, num_blocks: int, ranks: int = 1
+) -> dict[str, Any]:
     import multiprocessing
+
+    from kvpubd.protocol.config import rank_endpoint
 
     prompts = make_prompts(requests)
     overrides = {
-        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
+        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, "data_parallel_size": ranks},
         "events": {"buffer_steps": 1000},
         "service": {"log_level": "warning"},
     }
     spawn = multiprocessing.get_context("spawn")
-    with DaemonProcess(overrides, transport="tcp") as daemon:
-        control_side, sub_side = spawn.Pipe()
-        results_in, results_out = spawn.Pipe(duplex=False)
-        counter = spawn.Process(
-            target=_count_stored, args=(daemon.events_endpoint, sub_side, results_out)
-        )
-        counter.start()
+    # Ranks publish on consecutive tcp ports, which free_tcp_ports cannot reserve: several
+    # ranks use ipc.
+    transport = "tcp" if ranks == 1 else "ipc"
+    with DaemonProcess(overrides, transport=transport) as daemon:
+        assert daemon.proc is not None
+        pipes, results, counters = [], [], []
+        for rank in range(ranks):
+            control_side, sub_side = spawn.Pipe()
+            results_in, results_out = spawn.Pipe(duplex=False)
+            endpoint = rank_endpoint(daemon.events_endpoint, rank)
+            # daemon=True: a failed run never waits on a counter that waits for its stop seq.
+            counter = spawn.Process(
+                target=_count_stored, args=(endpoint, sub_side, results_out), daemon=True
+            )
+            counter.start()
+            pipes.append(control_side)
+            results.append(results_in)
+            counters.append(counter)
         probe = ResetProbe(daemon)
         try:
-            # Resets (no stores) until the counter's SUB has received one.
-            while not control_side.poll(0.1):
-                probe.client.reset(force=True)
-            control_side.recv()
+            # Resets (no stores) until every counter's SUB has received one.
+            for pipe in pipes:
+                while not pipe.poll(0.1):
+                    probe.client.reset(force=True)
+                pipe.recv()
+            cpu_start = _cpu_seconds(daemon.proc.pid)
             start = time.monotonic()
             in_flight = 0
             sent = 0
             while sent < len(prompts) or in_flight:
                 while sent < len(prompts) and in_flight < window:
-                    probe.send("store", request_id=sent, token_ids=prompts[sent])
+                    rank = sent % ranks
+                    probe.send("store", request_id=sent, token_ids=prompts[sent], rank=rank)
                     probe.send("release", request_id=sent)
                     sent += 1
                     in_flight += 2
                 probe.recv_reply()
                 in_flight -= 1
             sent_all = time.monotonic()
-            stats = probe.client.stats()["ranks"][0]
-            while stats["events_pending"]:
-                stats = probe.client.stats()["ranks"][0]
-            control_side.send(stats["seq"])
-            counted = results_in.recv()
+            stats = probe.client.stats()["ranks"]
+            while any(rank["events_pending"] for rank in stats):
+                stats = probe.client.stats()["ranks"]
+            cpu = _cpu_seconds(daemon.proc.pid) - cpu_start
+            for pipe, rank_stats in zip(pipes, stats, strict=True):
+                pipe.send(rank_stats["seq"])
+            counted = [result.recv() for result in results]
         finally:
             probe.close()
-            counter.join(10)
-    elapsed = counted["last"] - start
+            for counter in counters:
+                counter.join(10)
+                if counter.is_alive():
+                    counter.terminate()
+    blocks = sum(c["blocks"] for c in counted)
+    elapsed = max(c["last"] for c in counted) - start
     return {
-        "blocks_per_s": round(counted["blocks"] / elapsed),
-        "blocks": counted["blocks"],
-        "gaps": counted["gaps"],
+        "blocks_per_s": round(blocks / elapsed),
+        "blocks": blocks,
+        "gaps": sum(c["gaps"] for c in counted),
         "requests": requests,
+        "ranks": ranks,
+        "transport": transport,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
-        "dropped_stores": stats["dropped_stores"],
+        "daemon_cpu_us_per_block": round(cpu / blocks * 1e6, 3) if blocks else None,
+        "dropped_stores": sum(rank["dropped_stores"] for rank in stats),
     }
 
 
@@ -769,23 +803,40 @@ def bench_throughput(
         2000
     ),
     window: Annotated[int, typer.Option(help="Requests in flight.")] = 32,
-    num_blocks: Annotated[int, typer.Option(help="Pool blocks (evictions when full).")] = 400_000,
+    num_blocks: Annotated[
+        int, typer.Option(help="Pool blocks per rank (evictions when full).")
+    ] = 400_000,
+    ranks: Annotated[
+        int, typer.Option(help="Data-parallel ranks; requests go round-robin.", min=1)
+    ] = 1,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
     """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
-    blocks decoded by a subscriber in another process, blocks/s, with the gaps it saw."""
+    blocks decoded by a subscriber per rank in other processes: blocks/s, the daemon's CPU
+    us per published block, and the gaps the subscribers saw."""
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
-        result = measure_throughput(requests, window, num_blocks)
+        result = measure_throughput(requests, window, num_blocks, ranks)
     if as_json:
         typer.echo(json.dumps(result))
         return
-    table = Table(title=f"end-to-end: {requests} store requests, {window} in flight")
-    for column in ("blocks/s", "blocks", "gaps", "dropped", "requests/s", "seconds"):
+    table = Table(
+        title=f"end-to-end: {requests} store requests, {window} in flight, {ranks} rank(s)"
+    )
+    for column in (
+        "blocks/s",
+        "daemon CPU us/block",
+        "blocks",
+        "gaps",
+        "dropped",
+        "requests/s",
+        "seconds",
+    ):
         table.add_column(column, justify="right")
     table.add_row(
         f"{result['blocks_per_s']:,}",
+        f"{result['daemon_cpu_us_per_block']}",
         f"{result['blocks']:,}",
         str(result["gaps"]),
         str(result["dropped_stores"]),
