@@ -809,6 +809,16 @@ def bench_throughput(
     ranks: Annotated[
         int, typer.Option(help="Data-parallel ranks; requests go round-robin.", min=1)
     ] = 1,
+    load_fraction: Annotated[
+        list[float] | None,
+        typer.Option(
+            help="Then reset p50/p99 while a paced client stores at this fraction of the "
+            "measured requests/s (repeatable, e.g. 0.5 and 0.9; one rank).",
+            min=0.01,
+            max=1.0,
+        ),
+    ] = None,
+    resets: Annotated[int, typer.Option(help="Resets timed per --load-fraction.")] = 50,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -818,6 +828,14 @@ def bench_throughput(
     us per published block, and the gaps the subscribers saw."""
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(requests, window, num_blocks, ranks)
+    if load_fraction:
+        from kvpubd.tools.bench_load import measure_resets_under_load
+
+        with err.status("resets under paced load"):
+            result["reset_under_load"] = [
+                measure_resets_under_load(result["requests_per_s"], f, resets, num_blocks)
+                for f in load_fraction
+            ]
     if as_json:
         typer.echo(json.dumps(result))
         return
@@ -844,3 +862,17 @@ def bench_throughput(
         f"{result['seconds']:.2f}",
     )
     Console().print(table)
+    if load_fraction:
+        loaded = Table(title="reset -> marker received while storing at a fraction of capacity")
+        for column in ("load", "stores/s (target)", "n", "p50 us", "p99 us", "max us"):
+            loaded.add_column(column, justify="right")
+        for row in result["reset_under_load"]:
+            loaded.add_row(
+                f"{row['load_fraction']:.0%}",
+                f"{row['stores_per_s']} ({row['target_stores_per_s']})",
+                str(row["n"]),
+                f"{row['p50_us']:.0f}",
+                f"{row['p99_us']:.0f}",
+                f"{row['max_us']:.0f}",
+            )
+        Console().print(loaded)
