@@ -1,21 +1,40 @@
-"""The ``kvpubd`` command line."""
+"""The ``kvpubd`` command line.
+
+Each command imports what it runs, inside the command: ``kvpubd serve`` loads the daemon and
+never the client library, rich or the tools; ``kvpubd bench`` loads its sub-commands only when
+it is the command given. Every mistake ends in one line on stderr and the exit statuses of
+``kvpubd.exits`` (0 ok, 1 runtime failure, 2 usage or config, 130 interrupted)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 import os
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvpubd import __version__
-from kvpubd.client import ControlClient, ControlError, ControlTimeout
-from kvpubd.client.subscriber import Subscriber, SubscriberError
-from kvpubd.protocol.config import ConfigError, default_control_endpoint, load_settings
-from kvpubd.protocol.wire import BlockRemoved, BlockStored, Event
+from kvpubd.exits import INTERRUPTED, OK, USAGE, check_positive, fail
+from kvpubd.protocol.endpoints import (
+    CONTROL_ENDPOINT_ENV,
+    CURVE_KEY_ENV,
+    SERVER_KEY_ENV,
+    check_endpoint,
+    default_control_endpoint,
+    missing_ipc_socket,
+)
+
+if TYPE_CHECKING:
+    from kvpubd.client import ControlClient, Received
+    from kvpubd.protocol.wire import Event
+
+MAX_RANKS = 64  # as the daemon's cache.data_parallel_size allows
 
 app = typer.Typer(
     help="kvpubd: a KV-cache sidecar that publishes cache events over ZeroMQ, resets at once.",
@@ -24,145 +43,255 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit(OK)
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_show_version, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """kvpubd: a KV-cache sidecar that publishes cache events over ZeroMQ, resets at once."""
+
+
 ControlOption = Annotated[
     str | None,
     typer.Option(
         "--control",
         "-c",
         # The variable that sets the daemon's own endpoint (the systemd unit and the image set it).
-        envvar="KVPUBD_CONTROL__ENDPOINT",
-        help="Control endpoint of the daemon [default: the daemon's default ipc socket].",
+        envvar=CONTROL_ENDPOINT_ENV,
+        show_default=f"the daemon's default ipc socket, {default_control_endpoint()}",
+        help="Control endpoint of the daemon.",
     ),
 ]
 TimeoutOption = Annotated[float, typer.Option(help="Seconds to wait for the daemon's reply.")]
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"kvpubd: {message}", err=True)
-    return typer.Exit(code)
-
-
 CurveKeyOption = Annotated[
     Path | None,
     typer.Option(
         "--curve-key",
-        envvar="KVPUBD_CURVE_KEY",
-        help="This client's secret certificate, for a daemon with CURVE on.",
+        envvar=CURVE_KEY_ENV,
+        help="This client's secret certificate (NAME.key_secret), for a daemon with CURVE on.",
     ),
 ]
 ServerKeyOption = Annotated[
     Path | None,
     typer.Option(
         "--server-key",
-        envvar="KVPUBD_SERVER_KEY",
-        help="The daemon's public certificate, for a daemon with CURVE on.",
+        envvar=SERVER_KEY_ENV,
+        help="The daemon's public certificate (NAME.key), for a daemon with CURVE on.",
     ),
 ]
 
 
+def _endpoint(option: str, value: str) -> str:
+    try:
+        return check_endpoint(value)
+    except ValueError as exc:
+        raise fail(f"{option}: {exc}", USAGE) from None
+
+
 def _curve(curve_key: Path | None, server_key: Path | None) -> tuple[Path, Path] | None:
+    """Both certificates, checked readable; None for a daemon without CURVE."""
     if curve_key is None and server_key is None:
         return None
     if curve_key is None or server_key is None:
-        raise _fail("CURVE needs both --curve-key and --server-key", code=2)
+        raise fail("CURVE needs both --curve-key and --server-key", USAGE)
+    from kvpubd.protocol.auth import AuthError, load_public_certificate, load_secret_certificate
+
+    try:
+        load_secret_certificate(curve_key)
+        load_public_certificate(server_key)
+    except AuthError as exc:
+        raise fail(str(exc), USAGE) from None
     return curve_key, server_key
 
 
-def _call(
+def _client(
     control: str | None,
     timeout: float,
-    op: str,
-    curve: tuple[Path, Path] | None = None,
-    **fields: Any,
-) -> dict[str, Any]:
-    from kvpubd.protocol.auth import AuthError
+    curve_key: Path | None,
+    server_key: Path | None,
+) -> ControlClient:
+    """A control client for a command, every argument checked first (exit 2 when wrong)."""
+    from_env = control is not None and control == os.environ.get(CONTROL_ENDPOINT_ENV)
+    endpoint = _endpoint(
+        CONTROL_ENDPOINT_ENV if from_env else "--control", control or default_control_endpoint()
+    )
+    check_positive("--timeout", timeout)
+    curve = _curve(curve_key, server_key)
+    from kvpubd.client import ControlClient
+
+    return ControlClient(endpoint, timeout, curve=curve)
+
+
+def _unreachable_hint(endpoint: str, curve: object) -> str:
+    if missing_ipc_socket(endpoint):
+        return "is the daemon running?"
+    if curve is None:
+        return (
+            "is the daemon running? If it has CURVE on, pass --curve-key and --server-key "
+            f"(or {CURVE_KEY_ENV} and {SERVER_KEY_ENV})"
+        )
+    return "is the daemon running, and is this client's public key in its authorised keys?"
+
+
+@contextmanager
+def _talking_to(client: ControlClient) -> Iterator[None]:
+    """One line and exit 1 when the daemon refuses or does not answer."""
+    from kvpubd.client import ControlError, ControlTimeout, SubscriberError
 
     try:
-        client = ControlClient(control or default_control_endpoint(), timeout, curve=curve)
-    except AuthError as exc:
-        raise _fail(str(exc), code=2) from None
-    with client:
-        try:
-            return client.call(op, **fields)
-        except ControlTimeout as exc:
-            raise _fail(f"{exc} (is the daemon running?)") from None
-        except ControlError as exc:
-            raise _fail(str(exc)) from None
+        yield
+    except ControlTimeout as exc:
+        raise fail(f"{exc} ({_unreachable_hint(client.endpoint, client.curve)})") from None
+    except (ControlError, SubscriberError) as exc:
+        raise fail(str(exc)) from None
 
 
 @app.command()
 def serve(
     config: Annotated[
         Path | None,
-        typer.Option("--config", help="TOML config file; KVPUBD_* env overrides it."),
+        typer.Option("--config", help="TOML config file; KVPUBD_* variables override it."),
     ] = None,
     log_level: Annotated[
-        str | None, typer.Option(help="debug, info, warning or error [default: from config].")
+        str | None,
+        typer.Option(
+            help="debug, info, warning or error, in any case.",
+            show_default="service.log_level from the config",
+        ),
+    ] = None,
+    kv_events_config: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-events-config",
+            help="vLLM's --kv-events-config JSON (or @file): its fields set [events] over "
+            "--config; KVPUBD_* env still wins.",
+        ),
     ] = None,
 ) -> None:
     """Run the daemon until SIGTERM or SIGINT."""
+    import logging
+
     import zmq
 
-    from kvpubd.daemon.pool import check_device
-    from kvpubd.daemon.service import StartupError, run
+    from kvpubd.daemon import logs
+    from kvpubd.daemon.pool import PoolDoesNotFit, check_device
+    from kvpubd.daemon.service import StartupError, TaskFailed, run
     from kvpubd.protocol.auth import check_curve_settings
+    from kvpubd.protocol.config import (
+        ConfigError,
+        Settings,
+        env_overrides,
+        load_settings,
+        log_level_option,
+        unknown_env,
+    )
+    from kvpubd.protocol.vllm_config import load_kv_events_config
 
     try:
-        settings = load_settings(config)
+        level = log_level_option(log_level) if log_level is not None else None
+        vllm = load_kv_events_config(kv_events_config) if kv_events_config else None
+        settings = load_settings(config, {"events": vllm.events} if vllm else None)
         check_device(settings.cache.device)
         check_curve_settings(settings.control)
     except ConfigError as exc:
-        raise _fail(f"config error: {exc}", code=2) from None
+        raise fail(f"config error: {exc}", USAGE) from None
     except ValueError as exc:
-        raise _fail(f"config error: cache.device: {exc}", code=2) from None
-    level = (log_level or settings.service.log_level).upper()
-    # Under systemd (JOURNAL_STREAM set) the journal stamps each line itself.
-    stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format=f"{stamp}%(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("kvpubd").info(
-        "kvpubd %s: config %s", __version__, config if config else "(defaults)"
-    )
+        raise fail(f"config error: cache.device: {exc}", USAGE) from None
+    logs.configure(level or settings.service.log_level)
+
+    def reload_settings() -> Settings:
+        """SIGHUP: the config as it is now; --log-level stays in force over the file's."""
+        fresh = load_settings(config, {"events": vllm.events} if vllm else None)
+        if level is None:
+            return fresh
+        service = fresh.service.model_copy(update={"log_level": level})
+        return fresh.model_copy(update={"service": service})
+
+    # Logged once the daemon holds its endpoint: a refused second daemon says one line.
+    overrides = env_overrides(os.environ)
+    start_lines = [
+        f"kvpubd {__version__}: config {config if config else '(defaults)'}"
+        + (f", overridden by {', '.join(overrides)}" if overrides else "")
+    ]
+    if vllm is not None:
+        start_lines.append(vllm.describe())
+    for message in unknown_env(os.environ):
+        logging.getLogger("kvpubd").warning("%s", message)
     try:
-        run(settings)
+        run(settings, reload_settings, start_lines)
+    except PoolDoesNotFit as exc:
+        raise fail(f"cannot start: {exc}", USAGE) from None
     except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use
-        raise _fail(f"cannot start: {exc}", code=1) from None
+        raise fail(f"cannot start: {exc}") from None
+    except TaskFailed as exc:
+        raise fail(f"stopped: {exc}") from None
 
 
 @app.command()
 def keys(
     directory: Annotated[Path, typer.Argument(help="Where to write the certificates.")],
-    name: Annotated[str, typer.Option(help="Certificate name: NAME.key and NAME.key_secret.")] = (
-        "kvpubd"
-    ),
+    name: Annotated[
+        str, typer.Option(help="Certificate name: NAME.key and NAME.key_secret.")
+    ] = "kvpubd",
+    force: Annotated[
+        bool,
+        typer.Option(help="Replace existing certificates (clients of the old key are locked out)."),
+    ] = False,
 ) -> None:
-    """Write a CURVE certificate pair (public NAME.key, owner-only NAME.key_secret) for
-    control.curve_secret_key (the daemon) or --curve-key (a client); put clients' NAME.key
-    files in the daemon's control.curve_authorized_keys directory."""
+    """Write a CURVE certificate pair: NAME.key (public) and NAME.key_secret (owner-only).
+
+    The daemon takes the secret one as control.curve_secret_key, a client as --curve-key;
+    clients' NAME.key files go in the daemon's control.curve_authorized_keys directory."""
     from kvpubd.protocol.auth import create_keys
 
-    public, secret = create_keys(directory, name)
+    if not name or "/" in name:
+        raise fail(f"--name: {name!r} is not a file name", USAGE)
+    try:
+        public, secret = create_keys(directory, name, force=force)
+    except FileExistsError as exc:
+        raise fail(
+            f"{exc.filename} exists; pass --force to replace it (clients holding the old "
+            "public key are then locked out)",
+            USAGE,
+        ) from None
+    except OSError as exc:
+        raise fail(f"cannot write certificates in {directory}: {exc.strerror}") from None
     typer.echo(f"public: {public}\nsecret: {secret}")
 
 
 @app.command()
 def reset(
     control: ControlOption = None,
-    rank: Annotated[int | None, typer.Option(help="Reset only this rank [default: all].")] = None,
+    rank: Annotated[
+        int | None, typer.Option(help="Reset only this rank.", show_default="all")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Reset even while requests pin blocks.")] = False,
     timeout: TimeoutOption = 5.0,
     curve_key: CurveKeyOption = None,
     server_key: ServerKeyOption = None,
 ) -> None:
     """Clear the cache and publish AllBlocksCleared at once; print each rank's marker seq."""
-    fields: dict[str, Any] = {"force": force}
-    if rank is not None:
-        fields["rank"] = rank
-    curve = _curve(curve_key, server_key)
-    for marker in _call(control, timeout, "reset", curve, **fields)["markers"]:
-        typer.echo(f"rank {marker['rank']}: marker seq {marker['seq']}")
+    if rank is not None and rank < 0:
+        raise fail(f"--rank: {rank} is not a rank (0 or more)", USAGE)
+    client = _client(control, timeout, curve_key, server_key)
+    with client, _talking_to(client):
+        markers = client.reset(rank, force=force).markers
+    for marker in markers:
+        if marker.seq is None:
+            typer.echo(f"rank {marker.rank}: marker held back until the next tick")
+        else:
+            typer.echo(f"rank {marker.rank}: marker seq {marker.seq}")
 
 
 @app.command()
@@ -173,10 +302,10 @@ def stats(
     server_key: ServerKeyOption = None,
 ) -> None:
     """Print the daemon's counters as JSON."""
-    reply = _call(control, timeout, "stats", _curve(curve_key, server_key))
-    reply.pop("ok", None)
-    reply.pop("id", None)
-    typer.echo(json.dumps(reply, indent=2))
+    client = _client(control, timeout, curve_key, server_key)
+    with client, _talking_to(client):
+        reply = client.stats()
+    typer.echo(json.dumps(dataclasses.asdict(reply), indent=2))
 
 
 @app.command()
@@ -187,30 +316,57 @@ def ping(
     server_key: ServerKeyOption = None,
 ) -> None:
     """Check that the daemon answers; print its version, epoch and endpoints."""
-    reply = _call(control, timeout, "ping", _curve(curve_key, server_key))
-    typer.echo(json.dumps({k: v for k, v in reply.items() if k not in ("ok", "id")}))
+    client = _client(control, timeout, curve_key, server_key)
+    with client, _talking_to(client):
+        reply = client.ping()
+    typer.echo(json.dumps(dataclasses.asdict(reply)))
+
+
+def _text(value: object) -> str:
+    """A field for a text line: '-' for nothing, hex for bytes (hashes in bytes format)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
 
 
 def describe_event(event: Event) -> str:
+    from kvpubd.protocol.wire import BlockRemoved, BlockStored
+
     if isinstance(event, BlockStored):
         return (
-            f"BlockStored blocks={len(event.block_hashes)} parent={event.parent_block_hash} "
-            f"first={event.block_hashes[0]} lora={event.lora_id} medium={event.medium}"
+            f"BlockStored blocks={len(event.block_hashes)} "
+            f"parent={_text(event.parent_block_hash)} first={_text(event.block_hashes[0])} "
+            f"lora={_text(event.lora_id)} medium={_text(event.medium)}"
         )
     if isinstance(event, BlockRemoved):
-        return f"BlockRemoved blocks={len(event.block_hashes)} first={event.block_hashes[0]}"
-    return "AllBlocksCleared"
+        return f"BlockRemoved blocks={len(event.block_hashes)} first={_text(event.block_hashes[0])}"
+    return type(event).__name__
 
 
-def event_json(event: Event) -> dict[str, Any]:
-    fields = {
-        name: (value.hex() if isinstance(value, bytes) else value)
-        for name, value in ((n, getattr(event, n)) for n in getattr(event, "__slots__", ()))
-    }
-    for key in ("block_hashes",):
-        if key in fields:
-            fields[key] = [h.hex() if isinstance(h, bytes) else h for h in fields[key]]
+def _json_value(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+def event_json(event: Event) -> dict[str, object]:
+    """The event's fields, bytes as hex; works for dataclasses and msgspec structs alike."""
+    names = getattr(event, "__struct_fields__", None) or [f.name for f in dataclasses.fields(event)]
+    fields = {name: _json_value(getattr(event, name)) for name in names}
     return {"type": type(event).__name__, **fields}
+
+
+def _event_line(received: Received, event: Event, as_json: bool) -> str:
+    # The rank the batch itself names (the payload's data_parallel_rank), else the socket's.
+    rank = received.batch.data_parallel_rank
+    rank = received.rank if rank is None else rank
+    if as_json:
+        return json.dumps({"rank": rank, "seq": received.seq, **event_json(event)})
+    return f"rank={rank} seq={received.seq} {describe_event(event)}"
 
 
 @app.command()
@@ -222,89 +378,132 @@ def subscribe(
         str, typer.Option("--replay", help="Replay endpoint (rank 0's port); '' turns repair off.")
     ] = "tcp://127.0.0.1:5657",
     ranks: Annotated[int, typer.Option(help="How many data-parallel ranks to follow.")] = 1,
+    rank: Annotated[
+        int | None,
+        typer.Option(help="Follow only this rank.", show_default="ranks 0 to --ranks - 1"),
+    ] = None,
     topic: Annotated[str, typer.Option(help="Topic prefix to subscribe to.")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per event.")] = False,
     count: Annotated[
-        int | None, typer.Option(help="Exit after this many events [default: run forever].")
+        int | None, typer.Option(help="Exit after this many events.", show_default="run forever")
     ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for a replay to finish.")] = 5.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for a replay or control reply.")
+    ] = 5.0,
     control: Annotated[
         str | None,
         typer.Option(
             "--control",
             "-c",
             help="Control endpoint: checks the daemon's epoch on gaps and resynchronises from "
-            "its snapshot when replay no longer holds the missing history [default: off].",
+            "its snapshot when replay no longer holds the missing history.",
+            show_default="off",
         ),
     ] = None,
+    curve_key: CurveKeyOption = None,
+    server_key: ServerKeyOption = None,
 ) -> None:
-    """Print every published event, one per line; repair gaps through replay (or the snapshot,
-    with --control) and report gaps, resyncs, restarts and losses on stderr."""
+    """Print every published event, one per line.
+
+    Gaps are repaired through replay (or the snapshot, with --control) and reported on stderr
+    with resyncs, restarts and losses. Started before the daemon, it waits for it."""
+    _endpoint("--endpoint", endpoint)
+    if replay_endpoint:
+        _endpoint("--replay", replay_endpoint)
+    if not 1 <= ranks <= MAX_RANKS:
+        raise fail(f"--ranks: {ranks} is not between 1 and {MAX_RANKS}", USAGE)
+    if rank is not None and not 0 <= rank < MAX_RANKS:
+        raise fail(f"--rank: {rank} is not between 0 and {MAX_RANKS - 1}", USAGE)
+    if count is not None:
+        check_positive("--count", count, integer=True)
+    check_positive("--timeout", timeout)
+    client = _client(control, timeout, curve_key, server_key) if control else None
+    followed = [rank] if rank is not None else list(range(ranks))
     try:
-        _print_events(endpoint, replay_endpoint, ranks, topic, as_json, count, timeout, control)
-    except TimeoutError as exc:
-        raise _fail(f"{exc} (is the daemon running?)") from None
-    except (ControlError, SubscriberError) as exc:
-        raise _fail(str(exc)) from None
+        _print_events(endpoint, replay_endpoint, followed, topic, as_json, count, timeout, client)
+    except BrokenPipeError:
+        # The reader went away (`kvpubd subscribe | head -3`): that is how this ends.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _print_events(
     endpoint: str,
     replay_endpoint: str,
-    ranks: int,
+    ranks: list[int],
     topic: str,
     as_json: bool,
     count: int | None,
     timeout: float,
-    control: str | None = None,
+    control: ControlClient | None,
 ) -> None:
+    from kvpubd.client import ControlError, ControlTimeout, Subscriber, SubscriberError
+
     def note(message: str) -> None:
         typer.echo(f"# {message}", err=True)
 
     repair = "replay" if replay_endpoint else "the snapshot"
     seen = 0
-    with Subscriber(
-        endpoint,
-        replay_endpoint or None,
-        control=control,
-        ranks=ranks,
-        topic=topic,
-        replay_timeout=timeout,
-        control_timeout=timeout,
-        idle_check=1.0,  # finds a tail the PUB dropped while nothing else is published
-        mirror=False,  # printing needs no copy of the cache
-        on_gap=lambda rank, first, seq: note(
-            f"gap on rank {rank}: seqs {first}..{seq - 1} missing, repairing through {repair}"
-        ),
-        on_resync=lambda rank, seq: note(
-            f"rank {rank}: history gone; resynchronised from the snapshot at seq {seq}"
-        ),
-        on_restart=lambda rank, reason: note(
-            f"rank {rank}: daemon restart ({reason}); following the new run from seq 0"
-        ),
-    ) as subscriber:
-        lost = dict.fromkeys(subscriber.ranks, 0)
-        try:
-            for received in subscriber:
-                rank = received.rank
-                now_lost = subscriber.rank_counters(rank).lost
-                if now_lost != lost[rank]:
-                    note(
-                        f"rank {rank}: {now_lost - lost[rank]} batch(es) lost: replay no longer "
-                        "holds them (pass --control to resynchronise from the snapshot)"
-                    )
-                    lost[rank] = now_lost
-                for event in received.batch.events:
-                    if as_json:
-                        line = json.dumps({"rank": rank, "seq": received.seq, **event_json(event)})
-                    else:
-                        line = f"rank={rank} seq={received.seq} {describe_event(event)}"
-                    typer.echo(line)
-                    seen += 1
-                    if count is not None and seen >= count:
-                        return
-        except KeyboardInterrupt:
-            pass
+    try:
+        with Subscriber(
+            endpoint,
+            replay_endpoint or None,
+            control=control,
+            ranks=ranks,
+            topic=topic,
+            replay_timeout=timeout,
+            idle_check=1.0,  # finds a tail the PUB dropped while nothing else is published
+            mirror=False,  # printing needs no copy of the cache
+            on_gap=lambda rank, first, seq: note(
+                f"gap on rank {rank}: seqs {first}..{seq - 1} missing, repairing through {repair}"
+            ),
+            on_resync=lambda rank, seq: note(
+                f"rank {rank}: history gone; mirror rebuilt (snapshot or reset marker) at seq {seq}"
+            ),
+            on_restart=lambda rank, reason: note(
+                f"rank {rank}: daemon restart ({reason}); following the new run from its "
+                "first retained batch"
+            ),
+        ) as subscriber:
+            lost = dict.fromkeys(subscriber.ranks, 0)
+            waiting, first = False, True
+            while True:
+                try:
+                    batches = subscriber.catch_up() if first else subscriber.receive(0.1)
+                except TimeoutError as exc:
+                    # As the library does: the request is kept and asked again.
+                    if not waiting:
+                        hint = ""
+                        if isinstance(exc, ControlTimeout) and control is not None:
+                            hint = f" ({_unreachable_hint(control.endpoint, control.curve)})"
+                        note(f"waiting for the daemon: {exc}{hint}")
+                        waiting = True
+                    time.sleep(0.2)  # a missing socket fails at once: do not spin
+                    continue
+                finally:
+                    first = False
+                if waiting and batches:
+                    note("the daemon answers")
+                    waiting = False
+                for received in batches:
+                    now_lost = subscriber.rank_counters(received.rank).lost
+                    if now_lost != lost[received.rank]:
+                        note(
+                            f"rank {received.rank}: {now_lost - lost[received.rank]} batch(es) "
+                            "lost: replay no longer holds them (pass --control to "
+                            "resynchronise from the snapshot)"
+                        )
+                        lost[received.rank] = now_lost
+                    for event in received.batch.events:
+                        typer.echo(_event_line(received, event, as_json))
+                        seen += 1
+                        if count is not None and seen >= count:
+                            return
+    except (ControlError, SubscriberError) as exc:
+        raise fail(str(exc)) from None
 
 
 @app.command()
@@ -313,13 +512,17 @@ def demo(
     rate: Annotated[float, typer.Option(help="Requests per second of the load.")] = 200.0,
 ) -> None:
     """Run a daemon, a load and a subscriber here on CPU, live, with a reset; then summarize."""
+    if not 2 <= duration <= 3600:
+        raise fail(f"--duration: {duration} is not between 2 and 3600 seconds", USAGE)
+    if not 0 < rate <= 10_000:
+        raise fail(f"--rate: {rate} is not between 0 and 10000 requests per second", USAGE)
     from kvpubd.tools.demo import run_demo
 
-    if not 2 <= duration <= 3600:
-        raise _fail(f"--duration: {duration} is not between 2 and 3600 seconds", code=2)
-    if not 0 < rate <= 10_000:
-        raise _fail(f"--rate: {rate} is not between 0 and 10000 requests per second", code=2)
     raise typer.Exit(run_demo(duration=duration, rate=rate))
+
+
+# loadgen fails (exit 1) when more than this share of its stores were refused or unanswered.
+LOADGEN_MAX_ERROR_RATE = 0.10
 
 
 @app.command()
@@ -336,51 +539,94 @@ def loadgen(
     seed: Annotated[int, typer.Option(help="Seed of the prompts.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     timeout: TimeoutOption = 5.0,
+    curve_key: CurveKeyOption = None,
+    server_key: ServerKeyOption = None,
 ) -> None:
-    """Drive a running daemon with a shared-prefix workload: store, hold, release."""
-    from kvpubd.tools.loadgen import LoadGenerator, Workload, parse_mix
+    """Drive a running daemon with a shared-prefix workload: store, hold, release.
+
+    Prints progress on stderr and a summary; exits 1 when more than 10 % of the stores
+    failed."""
+    from kvpubd.tools.loadgen import LoadGenerator, LoadStats, Workload, parse_mix
 
     try:
         mix = parse_mix(prompt_mix)
     except ValueError as exc:
-        raise _fail(f"--prompt-mix: {exc}", code=2) from None
-    for name, value, low in (("--rate", rate, 0.0), ("--duration", duration, 0.0)):
-        if not low < value < float("inf"):
-            raise _fail(f"{name}: {value} must be a positive number", code=2)
+        raise fail(f"--prompt-mix: {exc}", USAGE) from None
+    check_positive("--rate", rate)
+    check_positive("--duration", duration)
     if not 0 <= hold < float("inf"):
-        raise _fail(f"--hold: {hold} must be >= 0", code=2)
-    with ControlClient(control or default_control_endpoint(), timeout=timeout) as client:
+        raise fail(f"--hold: {hold} is not a number of seconds >= 0", USAGE)
+    client = _client(control, timeout, curve_key, server_key)
+
+    def progress(stats: LoadStats, elapsed: float) -> None:
+        typer.echo(f"loadgen: {elapsed:.0f}/{duration:g} s, {stats.progress()}", err=True)
+
+    interrupted = False
+    with client, _talking_to(client):
+        generator = LoadGenerator(client, Workload(mix, seed), rate=rate, hold=hold, seed=seed)
         try:
-            generator = LoadGenerator(client, Workload(mix, seed), rate=rate, hold=hold, seed=seed)
-            try:
-                generator.run(duration)
-            except KeyboardInterrupt:
-                generator.release_all()
-        except ControlTimeout as exc:
-            raise _fail(f"{exc} (is the daemon running?)") from None
-    summary = generator.stats.as_dict()
+            generator.run(duration, on_progress=progress)
+        except KeyboardInterrupt:
+            interrupted = True  # run() released what was open; report what was done
+    stats = generator.stats
+    summary = stats.as_dict()
     if as_json:
         typer.echo(json.dumps(summary))
+    else:
+        typer.echo(
+            f"{stats.progress()} in {stats.elapsed_s:.1f} s ({stats.rate:.1f} stored/s), "
+            f"prefix hit rate {stats.hit_rate:.1%}"
+        )
+    if interrupted:
+        raise typer.Exit(INTERRUPTED)
+    if stats.error_rate > LOADGEN_MAX_ERROR_RATE or not stats.requests:
+        raise fail(
+            f"{stats.error_rate:.0%} of the stores failed (more than "
+            f"{LOADGEN_MAX_ERROR_RATE:.0%}): see the errors above"
+        )
+
+
+BENCH_HELP = "Measure a real daemon started here: reset, throughput, publisher, index, kernels."
+
+
+def _add_bench(argv: list[str]) -> None:
+    """``bench`` with its commands when it is the command run; otherwise only its name and
+    help (for ``kvpubd --help``), so that no other command pays for importing it."""
+    if argv[:1] == ["bench"]:
+        from kvpubd.tools.bench import bench_app
+
+        app.add_typer(bench_app, name="bench", help=BENCH_HELP)
         return
-    errors = ", ".join(f"{code} {n}" for code, n in sorted(summary["errors"].items())) or "none"
-    typer.echo(
-        f"{summary['requests']} requests in {summary['elapsed_s']:.1f} s "
-        f"({summary['rate']:.1f}/s), prefix hit rate {summary['hit_rate']:.1%}, "
-        f"errors: {errors}"
-    )
+
+    @app.command("bench", help=BENCH_HELP, add_help_option=False)
+    def bench_placeholder() -> None:  # pragma: no cover - only listed, never run
+        raise fail("run `kvpubd bench --help`", USAGE)
 
 
-def _add_bench() -> None:
-    from kvpubd.tools.bench import bench_app
-
-    app.add_typer(bench_app, name="bench")
-
-
-_add_bench()
+def _usage_error_type() -> type[Exception]:
+    try:  # typer >= 0.20 carries its own click
+        from typer._click.exceptions import ClickException
+    except ImportError:  # pragma: no cover - older typer, with click installed
+        from click.exceptions import ClickException  # type: ignore[no-redef]
+    return ClickException
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--version":
-        print(__version__)
-        return
-    app()
+    """Run the command line; exits with the status of ``kvpubd.exits``."""
+    argv = sys.argv[1:]
+    _add_bench(argv)
+    usage_error = _usage_error_type()
+    try:
+        code = app(args=argv, prog_name="kvpubd", standalone_mode=False)
+    except usage_error as exc:
+        context = getattr(exc, "ctx", None)
+        where = context.command_path if context is not None else "kvpubd"
+        message = exc.format_message()  # type: ignore[attr-defined]
+        if message:  # (none when the help was shown for a bare command)
+            typer.echo(f"{where}: {message} (see --help)", err=True)
+        code = getattr(exc, "exit_code", USAGE)
+    except KeyboardInterrupt:
+        code = INTERRUPTED
+    if code == INTERRUPTED:
+        typer.echo("kvpubd: interrupted", err=True)
+    sys.exit(code if isinstance(code, int) else OK)

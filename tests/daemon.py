@@ -30,14 +30,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
 
 
 class Daemon(DaemonProcess):
-    """A ``kvpubd serve`` child on private ipc endpoints; ``overrides`` beat TEST_DEFAULTS."""
+    """A ``kvpubd serve`` child on private ipc endpoints (or loopback tcp ports, for consumers
+    that speak only tcp); ``overrides`` beat TEST_DEFAULTS."""
 
     def __init__(
         self,
         overrides: dict[str, dict[str, Any]] | None = None,
         curve: tuple[Path, Path] | None = None,
+        transport: str = "ipc",
     ) -> None:
         merged = {section: dict(values) for section, values in TEST_DEFAULTS.items()}
         for section, values in (overrides or {}).items():
             merged.setdefault(section, {}).update(values)
-        super().__init__(merged, transport="ipc", curve=curve)
+        super().__init__(merged, transport=transport, curve=curve)

@@ -12,9 +12,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from kvpubd.client import ControlClient, ControlError, Mirror, Received
+from kvpubd.client import ControlClient, ControlError, Mirror, Received, SnapshotReply
 from kvpubd.client.subscriber import AsyncSubscriber, Subscriber
-from kvpubd.protocol.wire import BlockHash, BlockStored, event_from_wire
+from kvpubd.protocol.wire import BlockHash, BlockStored
 from tests.daemon import Daemon
 
 BLOCK_SIZE = 16
@@ -120,9 +120,9 @@ def go_live(sub: AnySubscriber, client: ControlClient, ranks: list[int]) -> None
                 break
 
 
-def snapshot_blocks(reply: dict[str, Any]) -> dict[BlockHash, BlockStored]:
+def snapshot_blocks(reply: SnapshotReply) -> dict[BlockHash, BlockStored]:
     mirror = Mirror()
-    mirror.apply([event_from_wire(e) for e in reply["events"]])
+    mirror.apply(reply.events)
     return mirror.blocks
 
 
@@ -131,7 +131,7 @@ def settle(sub: AnySubscriber, client: ControlClient, rank: int) -> dict[str, An
     to its seq through replay; returns the snapshot."""
     snap = client.snapshot(rank)
     deadline = time.monotonic() + 10.0
-    while (sub.last_seq(rank) if sub.last_seq(rank) is not None else -1) < snap["seq"]:
+    while (sub.last_seq(rank) if sub.last_seq(rank) is not None else -1) < snap.seq:
         assert time.monotonic() < deadline, f"rank {rank}: never reached seq {snap['seq']}"
         sub.catch_up()
     return snap
@@ -157,7 +157,7 @@ def assert_mirror_is_snapshot(sub: AnySubscriber, client: ControlClient, ranks: 
     """Every followed rank's mirror is exactly the daemon's snapshot at the same seq."""
     for rank in ranks:
         snap = settle(sub, client, rank)
-        assert sub.last_seq(rank) == snap["seq"]
+        assert sub.last_seq(rank) == snap.seq
         assert sub.synced(rank)
         mirror = sub.mirror(rank)
         assert mirror is not None

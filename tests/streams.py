@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgpack
+
 from kvpubd.client import ControlClient, Received, Subscriber
-from kvpubd.protocol.hashing import chain_digests, root_key, tokens_array, wire_hasher
 from kvpubd.protocol.wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -37,6 +38,11 @@ def prompt(seed: int, blocks: int, tail: int = 0) -> list[int]:
     return list(range(base, base + count))
 
 
+def independent_root_key(lora_id: int | None, cache_salt: str | None) -> bytes:
+    """The chain's root: sha256 of the msgpack array ["kvpubd-root-v1", lora_id, cache_salt]."""
+    return hashlib.sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
+
+
 def chain_hashes(
     tokens: list[int],
     *,
@@ -45,24 +51,31 @@ def chain_hashes(
     hash_format: str = "u64",
     block_size: int = BLOCK_SIZE,
 ) -> list[BlockHash]:
-    """The published hashes of the full blocks of ``tokens``, computed independently."""
-    wire = wire_hasher(hash_format)  # type: ignore[arg-type]
-    digests = chain_digests(tokens_array(tokens), block_size, root_key(lora_id, cache_salt))
-    return wire(digests)
+    """The published hashes of the full blocks of ``tokens``, computed independently of
+    kvpubd.protocol.hashing: ``digest_i = sha256(digest_{i-1} or root || block i's token ids
+    as little-endian uint32)``; u64 is the digest's low 64 bits read big-endian, i64 its first
+    8 bytes signed, bytes the digest itself."""
+    prev = independent_root_key(lora_id, cache_salt)
+    hashes: list[BlockHash] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = struct.pack(f"<{block_size}I", *tokens[start : start + block_size])
+        prev = hashlib.sha256(prev + block).digest()
+        if hash_format == "u64":
+            hashes.append(int.from_bytes(prev[24:32], "big"))
+        elif hash_format == "i64":
+            hashes.append(int.from_bytes(prev[:8], "big", signed=True))
+        elif hash_format == "bytes":
+            hashes.append(prev)
+        else:
+            raise ValueError(f"unknown hash format {hash_format!r}")
+    return hashes
 
 
 def reference_chain(
     tokens: list[int], lora_id: int | None = None, salt: str | None = None
 ) -> list[int]:
-    """The u64 wire hashes of the full blocks of ``tokens``, computed from DESIGN.md's chain
-    with hashlib and struct alone (independent of kvpubd.protocol.hashing but for the root key)."""
-    prev = root_key(lora_id, salt)
-    out = []
-    for i in range(len(tokens) // BLOCK_SIZE):
-        block = struct.pack(f"<{BLOCK_SIZE}I", *tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
-        prev = hashlib.sha256(prev + block).digest()
-        out.append(int.from_bytes(prev[-8:], "big"))
-    return out
+    """The u64 wire hashes of the full blocks of ``tokens`` (``chain_hashes``, positional)."""
+    return chain_hashes(tokens, lora_id=lora_id, cache_salt=salt)  # type: ignore[return-value]
 
 
 def vllm_extra_keys(
@@ -143,7 +156,7 @@ class Tap:
     def settle(self, client: ControlClient, timeout: float = 5.0) -> list[Received]:
         """Receive every batch the daemon reports as already published (stats ``seq``); events
         still pending in the sink are not covered."""
-        published = {r["rank"]: r["seq"] for r in client.stats()["ranks"]}
+        published = {r.rank: r.seq for r in client.stats().ranks}
         return self.through(published, timeout)
 
     def go_live(self, client: ControlClient, timeout: float = 10.0) -> list[Received]:
@@ -196,7 +209,7 @@ class Tap:
         hashes = chain_hashes(
             tokens, lora_id=fields.get("lora_id"), cache_salt=fields.get("cache_salt")
         )
-        first_new = hashes[reply["num_cached_tokens"] // BLOCK_SIZE]
+        first_new = hashes[reply.num_cached_tokens // BLOCK_SIZE]
         self.until(lambda: self.stored_seen(first_new, rank), what=f"the store of {request_id}")
         return reply
 
@@ -222,44 +235,70 @@ def seq_key(batch: Received) -> int:
     return batch.seq
 
 
-def concurrent_replays(endpoint: str, clients: int, timeout: float = 20.0) -> list[list[int]]:
+def concurrent_replays(
+    endpoint: str,
+    clients: int,
+    timeout: float = 60.0,
+    attempt_timeout: float = 0.5,
+    stall_timeout: float = 10.0,
+) -> list[list[int]]:
     """``clients`` DEALERs ask one replay socket for everything from seq 0 at once; returns
     each one's replayed seqs, in arrival order. A request the daemon refused (over its
-    ``max_replays``) gets no answer: after ``timeout`` quiet seconds the unfinished ask again,
-    as a client would."""
+    ``max_replays``) gets no answer: a client that heard nothing for ``attempt_timeout`` asks
+    again from a fresh socket (a new identity, so a late stream to the old one cannot mix in),
+    as a client would; one whose stream started and then went quiet for ``stall_timeout`` too.
+    Fails after ``timeout``."""
     import zmq
 
     ctx = zmq.Context()
-    dealers = []
+    request = [b"", (0).to_bytes(8, "big")]
+    dealers: list[zmq.Socket | None] = [None] * clients
+    heard = [0.0] * clients
+    seqs: list[list[int]] = [[] for _ in range(clients)]
+    finished: set[int] = set()
+
+    def ask(i: int) -> None:
+        old = dealers[i]
+        if old is not None:
+            old.close(linger=0)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        dealer.send_multipart(request)
+        dealers[i], heard[i], seqs[i] = dealer, time.monotonic(), []
+
     try:
-        for _ in range(clients):
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(endpoint)
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            dealers.append(dealer)
-        poller = zmq.Poller()
-        for dealer in dealers:
-            poller.register(dealer, zmq.POLLIN)
-        seqs: dict[zmq.Socket, list[int]] = {dealer: [] for dealer in dealers}
-        finished: set[zmq.Socket] = set()
-        while len(finished) < len(dealers):
-            ready = dict(poller.poll(int(timeout * 1000)))
-            if not ready:
-                for dealer in set(dealers) - finished:
-                    seqs[dealer] = []
-                    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-                continue
-            for dealer in ready:
-                while dealer.poll(0):
+        for i in range(clients):
+            ask(i)
+        deadline = time.monotonic() + timeout
+        while len(finished) < clients:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{clients - len(finished)} of {clients} replays unfinished")
+            poller = zmq.Poller()
+            waiting = [i for i in range(clients) if i not in finished]
+            for i in waiting:
+                poller.register(dealers[i], zmq.POLLIN)
+            ready = dict(poller.poll(50))
+            now = time.monotonic()
+            for i in waiting:
+                dealer = dealers[i]
+                assert dealer is not None
+                if dealer not in ready:
+                    quiet = attempt_timeout if not seqs[i] else stall_timeout
+                    if now - heard[i] > quiet:
+                        ask(i)
+                    continue
+                heard[i] = now
+                while i not in finished and dealer.poll(0):
                     frames = dealer.recv_multipart()
-                    assert dealer not in finished, "a frame after the end marker"
                     if frames[-2] == END_SEQ:
-                        finished.add(dealer)
+                        finished.add(i)
                     else:
-                        seqs[dealer].append(int.from_bytes(frames[-2], "big"))
-        return [seqs[dealer] for dealer in dealers]
+                        seqs[i].append(int.from_bytes(frames[-2], "big"))
+                assert not dealer.poll(0), "a frame after the end marker"
+        return seqs
     finally:
         for dealer in dealers:
-            dealer.close()
+            if dealer is not None:
+                dealer.close(linger=0)
         ctx.term()

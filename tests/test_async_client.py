@@ -9,16 +9,16 @@ from tests.streams import prompt
 
 async def test_async_client_round_trip(daemon: Daemon) -> None:
     async with AsyncControlClient(daemon.control_endpoint) as client:
-        assert (await client.ping())["epoch"] == daemon.epoch
+        assert (await client.ping()).epoch == daemon.epoch
         stored = await client.store("a", prompt(1, 2, tail=1))
-        assert len(stored["block_ids"]) == 3
+        assert len(stored.block_ids) == 3
         with pytest.raises(ControlError) as caught:
             await client.reset()
         assert caught.value.code == "busy"
         await client.release("a")
-        (marker,) = await client.reset()
-        assert marker["rank"] == 0 and marker["seq"] >= 1
-        assert (await client.snapshot())["events"] == []
+        (marker,) = (await client.reset()).markers
+        assert marker.rank == 0 and marker.seq >= 1
+        assert (await client.snapshot()).events == []
 
 
 async def test_async_client_times_out_without_a_daemon(tmp_path: object) -> None:

@@ -37,7 +37,7 @@ def test_bench_reset_reports_every_size_the_baseline_and_the_floor() -> None:
 
 def test_bench_throughput_counts_blocks_without_gaps() -> None:
     result = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096")
-    assert result["gaps"] == 0 and result["dropped_stores"] == 0
+    assert result["gaps"] == 0 and result["dropped_stored_blocks"] == 0
     assert result["blocks"] > 0 and result["blocks_per_s"] > 0
 
 
@@ -75,3 +75,47 @@ def test_bench_against_vllm_decodes_both_streams_with_vllms_types() -> None:
     result = bench("publisher", "--against-vllm", "--batches", "20", "--rounds", "1")
     assert result["kvpubd_blocks_per_s"] > 0 and result["vllm_blocks_per_s"] > 0
     assert result["kvpubd_cpu_us_per_block"] > 0 and result["vllm_cpu_us_per_block"] > 0
+
+
+@pytest.mark.parametrize("load", ["snapshot", "replay-flood", "big-store", "idle-conns"])
+def test_bench_reset_under_load_reports_idle_and_loaded(load: str) -> None:
+    result = bench(
+        "reset",
+        "--under",
+        load,
+        "--sizes",
+        "0,64",
+        "--resets",
+        "3",
+        "--idle-ms",
+        "1",
+        "--reset-timeout",
+        "10",
+        "--snapshot-blocks",
+        "512",
+        "--flood-processes",
+        "1",
+        "--idle-connections",
+        "30",
+    )
+    assert result["under"] == load
+    assert set(result["sizes"]) == {"0", "64"}
+    for phases in result["sizes"].values():
+        assert set(phases) == {"idle", "loaded"}
+        for row in phases.values():
+            assert "error" not in row, row["error"]
+            assert row["n"] == 3 and row["reply"]["n"] == 3
+            assert 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
+    # Every load process reported what it did, and did something.
+    reports = result["load"]
+    assert len(reports) == 1
+    for report in reports:
+        assert report["load"] == load
+        done = {
+            "snapshot": "ops",
+            "big-store": "ops",
+            "replay-flood": "requests_sent",
+            "idle-conns": "held_at_end",
+        }[load]
+        assert report[done] > 0
+    assert result["daemon"]["alive_at_end"]

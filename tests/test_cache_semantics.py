@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, event_from_wire
+from kvpubd.client import ControlError, Mirror, Received, SnapshotReply, StatsReply
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 from tests.streams import reference_chain, vllm_extra_keys
@@ -24,7 +24,7 @@ CACHE_FIELDS = (
     "blocks_pinned",
     "blocks_published",
     "requests_open",
-    "dropped_stores",
+    "dropped_stored_blocks",
 )
 
 BlockKey = tuple[int, int | None, tuple[int, ...], int | None]
@@ -62,8 +62,8 @@ def removed_hashes(events: list[Event]) -> list[int]:
     return [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
 
-def cache_stats(stats: dict[str, Any]) -> dict[str, int]:
-    return {key: stats["ranks"][0][key] for key in CACHE_FIELDS}
+def cache_stats(stats: StatsReply) -> dict[str, int]:
+    return {key: getattr(stats.ranks[0], key) for key in CACHE_FIELDS}
 
 
 class Probe:
@@ -100,9 +100,9 @@ class Probe:
 
     def sync(self) -> list[Event]:
         snap = self.client.snapshot()
-        assert snap["epoch"] == self.daemon.epoch
+        assert snap.epoch == self.daemon.epoch
         events: list[Event] = []
-        for got in self._read_until(snap["seq"]):
+        for got in self._read_until(snap.seq):
             assert got.seq == self.next_seq, "stream seqs must be gap-free"
             self.next_seq += 1
             self.mirror.apply(got.batch.events)
@@ -118,10 +118,9 @@ class Probe:
         }
 
     @staticmethod
-    def snapshot_keys(snap: dict[str, Any]) -> set[BlockKey]:
+    def snapshot_keys(snap: SnapshotReply) -> set[BlockKey]:
         keys = []
-        for wire in snap["events"]:
-            e = event_from_wire(wire)
+        for e in snap.events:
             assert isinstance(e, BlockStored) and len(e.block_hashes) == 1
             keys.append((e.block_hashes[0], e.parent_block_hash, tuple(e.token_ids), e.lora_id))
         assert len(keys) == len(set(keys)), "snapshot repeats a block"
@@ -147,19 +146,19 @@ def test_store_returns_block_ids_and_repeat_store_matches(daemon: Daemon) -> Non
     prompt = toks(50, 0)
     with Probe(daemon) as p:
         first = p.client.store("a", prompt)
-        assert first["rank"] == 0 and first["num_cached_tokens"] == 0
-        ids = first["block_ids"]
+        assert first.rank == 0 and first.num_cached_tokens == 0
+        ids = first.block_ids
         assert len(ids) == 4 and len(set(ids)) == 4
         assert p.sync() == [stored(prompt, 0, 3)]
 
         p.client.release("a")
         again = p.client.store("b", prompt)
-        assert again["num_cached_tokens"] == 3 * BS
-        assert len(again["block_ids"]) == 4 and again["block_ids"][:3] == ids[:3]
+        assert again.num_cached_tokens == 3 * BS
+        assert len(again.block_ids) == 4 and again.block_ids[:3] == ids[:3]
         # while "b" is open, a third store shares the full blocks but owns its own tail
         shared = p.client.store("c", prompt)
-        assert shared["num_cached_tokens"] == 3 * BS and shared["block_ids"][:3] == ids[:3]
-        assert shared["block_ids"][3] != again["block_ids"][3]
+        assert shared.num_cached_tokens == 3 * BS and shared.block_ids[:3] == ids[:3]
+        assert shared.block_ids[3] != again.block_ids[3]
         assert p.sync() == []
 
 
@@ -168,13 +167,13 @@ def test_short_prompt_publishes_nothing(daemon: Daemon) -> None:
     block publishes exactly that block."""
     with Probe(daemon) as p:
         reply = p.client.store("short", toks(15, 0))
-        assert len(reply["block_ids"]) == 1 and reply["num_cached_tokens"] == 0
+        assert len(reply.block_ids) == 1 and reply.num_cached_tokens == 0
         assert p.sync() == []
         assert p.cache_stats()["blocks_cached"] == 0
 
         exact = toks(BS, 100)
         reply = p.client.store("exact", exact)
-        assert len(reply["block_ids"]) == 1 and reply["num_cached_tokens"] == 0
+        assert len(reply.block_ids) == 1 and reply.num_cached_tokens == 0
         assert p.sync() == [stored(exact, 0, 1)]
 
 
@@ -189,12 +188,12 @@ def test_extending_a_cached_prefix_publishes_only_new_blocks(daemon: Daemon) -> 
         assert p.sync() == [stored(base, 0, 2)]
 
         reply = p.client.store("longer", longer)
-        assert reply["num_cached_tokens"] == 2 * BS and len(reply["block_ids"]) == 5
+        assert reply.num_cached_tokens == 2 * BS and len(reply.block_ids) == 5
         assert p.sync() == [stored(longer, 2, 2)]
         assert stored(longer, 2, 2).parent_block_hash == reference_chain(base)[-1]
 
         reply = p.client.store("diverged", diverged)
-        assert reply["num_cached_tokens"] == BS
+        assert reply.num_cached_tokens == BS
         assert p.sync() == [stored(diverged, 1, 3)]
 
 
@@ -243,7 +242,7 @@ def test_matching_a_released_chain_refreshes_its_recency(start_daemon: DaemonFac
         p.client.store("b", b)
         p.client.release("a")
         p.client.release("b")
-        assert p.client.store("a2", a)["num_cached_tokens"] == 2 * BS
+        assert p.client.store("a2", a).num_cached_tokens == 2 * BS
         p.client.release("a2")
         p.sync()
 
@@ -273,7 +272,7 @@ def test_pool_exhausted_changes_nothing(start_daemon: DaemonFactory) -> None:
 
         # a prefix of a pinned prompt needs no new block: it fits even in a full pool
         reply = p.client.store("p1-prefix", p1[: 3 * BS])
-        assert reply["num_cached_tokens"] == 3 * BS
+        assert reply.num_cached_tokens == 3 * BS
         p.client.release("p1-prefix")
 
         p.client.release("p2")  # 2 cached unpinned blocks + 1 free tail
@@ -303,7 +302,7 @@ def test_duplicate_and_unknown_request_ids(daemon: Daemon) -> None:
         p.client.release("r1")
         expect_error("unknown_request", p.client.release, "r1")
         assert p.cache_stats()["requests_open"] == 0
-        assert p.client.store("r1", toks(40, 0))["num_cached_tokens"] == 2 * BS
+        assert p.client.store("r1", toks(40, 0)).num_cached_tokens == 2 * BS
 
 
 def test_lora_and_cache_salt_keep_separate_caches(daemon: Daemon) -> None:
@@ -315,9 +314,9 @@ def test_lora_and_cache_salt_keep_separate_caches(daemon: Daemon) -> None:
         for i, (lora, salt) in enumerate(variants):
             name = None if lora is None else f"adapter-{lora}"
             reply = p.client.store(f"r{i}", prompt, lora_id=lora, lora_name=name, cache_salt=salt)
-            assert reply["num_cached_tokens"] == 0
-            assert seen_ids.isdisjoint(reply["block_ids"])
-            seen_ids.update(reply["block_ids"])
+            assert reply.num_cached_tokens == 0
+            assert seen_ids.isdisjoint(reply.block_ids)
+            seen_ids.update(reply.block_ids)
         expected = [
             stored(prompt, 0, 2, lora, salt, None if lora is None else f"adapter-{lora}")
             for lora, salt in variants
@@ -326,16 +325,16 @@ def test_lora_and_cache_salt_keep_separate_caches(daemon: Daemon) -> None:
         assert len({h for e in expected for h in e.block_hashes}) == 2 * len(variants)
 
         again = p.client.store("again", prompt, lora_id=1, cache_salt="a")
-        assert again["num_cached_tokens"] == 2 * BS
+        assert again.num_cached_tokens == 2 * BS
         assert p.sync() == []
 
 
 def next_tick(p: Probe) -> None:
     """Resume until a periodic drain has taken the pending events (a drain starts a fresh
     capture budget; snapshots do not), then pause again."""
-    assert p.client.stats()["ranks"][0]["events_pending"] > 0
+    assert p.client.stats().ranks[0].events_pending > 0
     p.client.resume()
-    wait_for(lambda: p.client.stats()["ranks"][0]["events_pending"] == 0, what="a periodic drain")
+    wait_for(lambda: p.client.stats().ranks[0].events_pending == 0, what="a periodic drain")
     p.client.pause()
 
 
@@ -355,13 +354,13 @@ def test_capture_cap_drops_stores_descendants_and_their_removals(
         p.client.store("r1", prompt)
         next_tick(p)
         assert p.sync() == [stored(prompt, 0, 4)]
-        assert p.cache_stats()["dropped_stores"] == 6
+        assert p.cache_stats()["dropped_stored_blocks"] == 6
 
         # a fresh budget of 4, yet the extension of a dropped block is not published
-        assert p.client.store("r2", longer)["num_cached_tokens"] == 10 * BS
+        assert p.client.store("r2", longer).num_cached_tokens == 10 * BS
         assert p.sync() == []
         stats = p.cache_stats()
-        assert stats["dropped_stores"] == 8 and stats["blocks_published"] == 4
+        assert stats["dropped_stored_blocks"] == 8 and stats["blocks_published"] == 4
         p.client.release("r1")
         p.client.release("r2")
 
@@ -375,7 +374,7 @@ def test_capture_cap_drops_stores_descendants_and_their_removals(
             assert removed_hashes(events) == expected_removed[i]
             assert [e for e in events if isinstance(e, BlockStored)] == [stored(filler, 0, 4)]
         assert p.published_hashes() == {x for f in fillers for x in reference_chain(f)}
-        assert p.cache_stats()["dropped_stores"] == 8
+        assert p.cache_stats()["dropped_stored_blocks"] == 8
 
 
 def test_stats_counters_follow_stores_and_releases(daemon: Daemon) -> None:
@@ -393,7 +392,7 @@ def test_stats_counters_follow_stores_and_releases(daemon: Daemon) -> None:
             "blocks_pinned": pinned,
             "blocks_published": published,
             "requests_open": open_,
-            "dropped_stores": 0,
+            "dropped_stored_blocks": 0,
         }
 
     with Probe(daemon) as p:

@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import zmq
 
-from kvpubd.protocol.config import ConfigError, Settings, load_settings, rank_endpoint
+from kvpubd.protocol.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    log_level_option,
+    rank_endpoint,
+)
 from tests.daemon import Daemon, write_config
 
 if sys.version_info >= (3, 11):
@@ -211,13 +217,13 @@ def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch
     try:
         daemon.start()
         with daemon.client() as client:
-            endpoints = client.ping()["endpoints"]
-        assert endpoints[0]["events"] == f"{daemon.events_endpoint}_dp0"
-        assert endpoints[0]["replay"] == f"{daemon.replay_endpoint}_dp0"
+            endpoints = client.ping().endpoints
+        assert endpoints[0].events == f"{daemon.events_endpoint}_dp0"
+        assert endpoints[0].replay == f"{daemon.replay_endpoint}_dp0"
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.connect(endpoints[0]["replay"])
+            sock.connect(endpoints[0].replay)
             sock.send_multipart([b"", (0).to_bytes(8, "big")])
             assert sock.poll(10_000), "no replay reply"
             frames = sock.recv_multipart()  # seq 0, the start-up marker
@@ -226,6 +232,60 @@ def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch
         assert frames[1] == b"env-topic" and frames[2] == bytes(8)
     finally:
         daemon.cleanup()
+
+
+def test_error_names_every_problem_and_calls_a_section_a_section(tmp_path: Path) -> None:
+    """One line naming each problem by its key; a misspelt section is an unknown section; a
+    section given as a value says so without pydantic's internals."""
+    config = tmp_path / "c.toml"
+    config.write_text("events = 5\n[evnets]\nx = 1\n[cache]\nnum_blocks = 0\nbogus = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    message = str(info.value)
+    assert "\n" not in message
+    for part in (
+        "events: must be a section ([events] in TOML), not 5",
+        "evnets: unknown section",
+        "cache.num_blocks:",
+        "cache.bogus: unknown key",
+    ):
+        assert part in message, message
+    assert "instance of" not in message and "more)" not in message
+
+
+def test_log_level_in_any_case_in_file_env_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`INFO` works everywhere; `warn` and `bogus` fail everywhere, one line naming the key."""
+    monkeypatch.setenv("KVPUBD_SERVICE__LOG_LEVEL", "WARNING")
+    assert load_settings().service.log_level == "warning"
+    assert log_level_option("Debug") == "debug"
+    for bad in ("warn", "bogus"):
+        monkeypatch.setenv("KVPUBD_SERVICE__LOG_LEVEL", bad)
+        with pytest.raises(ConfigError, match=r"service\.log_level"):
+            load_settings()
+        with pytest.raises(ConfigError, match="--log-level"):
+            log_level_option(bad)
+
+
+def test_unknown_variables_are_warned_about_and_overrides_logged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KVPUBD_* variable nobody reads (a typo) is named in a warning with the likely
+    intended one; the start line names the overrides that are active."""
+    monkeypatch.setenv("KVPUBD_EVENT__TOPIC", "x")
+    monkeypatch.setenv("KVPUBD_EVENTS_TOPIC", "x")
+    monkeypatch.setenv("KVPUBD_EVENTS__TOPIC", "kv@pod")
+    monkeypatch.setenv("KVPUBD_CURVE_KEY", "/client/only")  # read by the clients: no warning
+    daemon = Daemon()
+    try:
+        daemon.start()
+        assert daemon.stop() == 0
+        log = daemon.log()
+    finally:
+        daemon.cleanup()
+    for name in ("KVPUBD_EVENT__TOPIC", "KVPUBD_EVENTS_TOPIC"):
+        assert f"ignoring unknown variable {name} (did you mean KVPUBD_EVENTS__TOPIC?)" in log
+    assert "KVPUBD_CURVE_KEY" not in log
+    assert "overridden by KVPUBD_EVENTS__TOPIC" in log
 
 
 # -- the shipped file ------------------------------------------------------------------------

@@ -14,8 +14,15 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpubd.client import ControlClient, ControlError, Mirror, Subscriber
-from kvpubd.protocol.wire import BlockStored, event_from_wire
+from kvpubd.client import (
+    ControlClient,
+    ControlError,
+    Mirror,
+    SnapshotReply,
+    StatsReply,
+    Subscriber,
+)
+from kvpubd.protocol.wire import BlockStored
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import chain_hashes
@@ -124,13 +131,10 @@ class Probe:
             seen.extend(self._apply(self.sub.receive(0.05)))
         return seen
 
-    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(stats, snapshot) without the reply ids; the snapshot publishes nothing when idle."""
+    def state(self) -> tuple[StatsReply, SnapshotReply]:
+        """(stats, snapshot); the snapshot (taken first) publishes what is pending."""
         snapshot = self.client.snapshot()
-        stats = self.client.stats()
-        for reply in (snapshot, stats):
-            reply.pop("id")
-        return stats, snapshot
+        return self.client.stats(), snapshot
 
     def fresh_prompt(self) -> list[int]:
         """One full block of tokens no earlier prompt started with."""
@@ -140,7 +144,7 @@ class Probe:
     def fence_store(self) -> None:
         """A valid store now must be published in the batch right after the last one seen:
         proof that nothing was published in between."""
-        last = self.client.stats()["ranks"][0]["seq"]
+        last = self.client.stats().ranks[0].seq
         self.receive_until(lambda _: self.last_seq >= last, f"batch {last}")
         assert self.last_seq == last, "a batch was published that stats does not count"
         tokens = self.fresh_prompt()
@@ -162,11 +166,10 @@ class Probe:
     def check_against_snapshot(self) -> None:
         """The mirror built from the stream equals the daemon's snapshot at the same seq."""
         snapshot = self.client.snapshot()
-        self.receive_until(lambda _: self.last_seq >= snapshot["seq"], "the snapshot's seq")
-        assert self.last_seq == snapshot["seq"]
+        self.receive_until(lambda _: self.last_seq >= snapshot.seq, "the snapshot's seq")
+        assert self.last_seq == snapshot.seq
         blocks = {}
-        for wire_event in snapshot["events"]:
-            event = event_from_wire(wire_event)
+        for event in snapshot.events:
             assert isinstance(event, BlockStored)
             (block_hash,) = event.block_hashes
             blocks[block_hash] = event
@@ -249,6 +252,26 @@ BAD_MAPS: dict[str, tuple[dict[Any, Any], set[str]]] = {
         store(token_ids=list(range(MAX_TOKENS + 1))),
         {"too_large"},
     ),
+    "store lora_name 257 chars": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "lora_name": "x" * 257},
+        {"bad_request"},
+    ),
+    "store cache_salt 1025 chars": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "cache_salt": "s" * 1025},
+        {"bad_request"},
+    ),
+    "store request_id 257 chars": (
+        {"op": "store", "request_id": "r" * 257, "token_ids": [1] * 16},
+        {"bad_request"},
+    ),
+    "store request_id 2^63": (
+        {"op": "store", "request_id": 1 << 63, "token_ids": [1] * 16},
+        {"bad_request"},
+    ),
+    "store lora_id 2^64-1": (
+        {"op": "store", "request_id": "n", "token_ids": [1] * 16, "lora_id": (1 << 64) - 1},
+        {"bad_request"},
+    ),
     "release request_id float": ({"op": "release", "request_id": 1.5}, {"bad_request"}),
     "release request_id nil": ({"op": "release", "request_id": None}, {"bad_request"}),
     "release request_id missing": ({"op": "release"}, {"bad_request"}),
@@ -276,8 +299,8 @@ def test_bad_map_gets_error_and_changes_nothing(probe: Probe, name: str, request
     its id echoed, and stats, snapshot and the stream stay exactly as they were."""
     request, codes = BAD_MAPS[name]
     before = probe.state()
-    probe.client.send_raw([pack({**request, "id": request_id})])
-    error = check_error_reply(probe.client.recv_raw(), request_id)
+    probe.client._send_raw([pack({**request, "id": request_id})])
+    error = check_error_reply(probe.client._recv_raw(), request_id)
     assert error["code"] in codes, error
     assert probe.state() == before
     probe.fence_store()
@@ -308,8 +331,8 @@ def test_unusable_request_gets_error_and_changes_nothing(probe: Probe, name: str
     refused with a well-formed error reply and change nothing."""
     frames = NOT_MAPS[name]
     before = probe.state()
-    probe.client.send_raw(frames)
-    reply = probe.client.recv_raw()
+    probe.client._send_raw(frames)
+    reply = probe.client._recv_raw()
     request_id = reply.get("id") if name.startswith("extra") else None
     assert request_id in (None, 5)
     error = check_error_reply(reply, request_id)
@@ -323,8 +346,8 @@ def test_map_with_non_string_keys_is_refused_with_its_id(probe: Probe) -> None:
     """A map with a non-string key is a bad request; it is still a map with an id, so the
     error echoes the id (clients match replies by id)."""
     before = probe.state()
-    probe.client.send_raw([pack({1: "x", "op": "ping", "id": 31})])
-    error = check_error_reply(probe.client.recv_raw(), 31)
+    probe.client._send_raw([pack({1: "x", "op": "ping", "id": 31})])
+    error = check_error_reply(probe.client._recv_raw(), 31)
     assert error["code"] == "bad_request"
     assert probe.state() == before
     probe.fence_store()
@@ -336,8 +359,8 @@ def test_oversized_request_is_too_large_with_its_id(probe: Probe) -> None:
     request = store(id=41, lora_name="x" * MAX_MESSAGE_BYTES)
     assert len(pack(request)) > MAX_MESSAGE_BYTES
     before = probe.state()
-    probe.client.send_raw([pack(request)])
-    error = check_error_reply(probe.client.recv_raw(), 41)
+    probe.client._send_raw([pack(request)])
+    error = check_error_reply(probe.client._recv_raw(), 41)
     assert error["code"] == "too_large"
     assert probe.state() == before
     probe.fence_store()
@@ -347,7 +370,7 @@ def test_client_call_with_oversized_request_raises_too_large(probe: Probe) -> No
     """ControlClient.call with a request over the limit raises ControlError(too_large)."""
     before = probe.state()
     with probe.daemon.client(timeout=2.0) as client, pytest.raises(ControlError) as refused:
-        client.call("ping", pad="x" * MAX_MESSAGE_BYTES)
+        client._call("ping", pad="x" * MAX_MESSAGE_BYTES)
     assert refused.value.code == "too_large"
     assert probe.state() == before
     probe.fence_store()
@@ -363,8 +386,23 @@ def test_store_over_token_limit_is_too_large(probe: Probe) -> None:
     assert probe.state() == before
     probe.fence_store()
     reply = probe.client.store("at-limit", [7] * MAX_TOKENS)
-    assert len(reply["block_ids"]) == MAX_TOKENS // BLOCK_SIZE
+    assert len(reply.block_ids) == MAX_TOKENS // BLOCK_SIZE
     probe.client.release("at-limit")
+
+
+def test_store_over_block_limit_is_too_large(start_daemon: DaemonFactory) -> None:
+    """A store covering more than control.max_blocks_per_store full blocks is too_large and
+    changes nothing; one at the limit (plus a partial tail) is accepted."""
+    daemon = start_daemon(control={"max_blocks_per_store": 2})
+    with daemon.client() as client:
+        before = client.stats().ranks
+        with pytest.raises(ControlError) as refused:
+            client.store("three", [5] * (3 * BLOCK_SIZE))
+        assert refused.value.code == "too_large"
+        assert "max_blocks_per_store" in refused.value.message
+        assert client.stats().ranks == before
+        reply = client.store("two", [5] * (3 * BLOCK_SIZE - 1))
+        assert len(reply["block_ids"]) == 3  # two full blocks and the tail
 
 
 NO_REPLY: dict[str, list[bytes]] = {
@@ -400,7 +438,7 @@ def test_frame_over_hard_cap_drops_the_peer_only(probe: Probe, context: zmq.Cont
     sock = dealer(probe.daemon, context)
     try:
         sock.send_multipart([b"", b"\x00" * (4 * MAX_MESSAGE_BYTES + 4096)])
-        assert probe.client.ping()["ok"] is True  # another peer is served meanwhile
+        assert probe.client.ping().version  # another peer is served meanwhile
         # The dropped connection may swallow a ping sent on it; retry until one is answered.
         deadline = time.monotonic() + 10.0
         while True:
@@ -542,8 +580,8 @@ def test_random_input_never_hurts_the_daemon(start_daemon: DaemonFactory) -> Non
         )
         @given(request=random_maps)
         def random_map(request: dict[Any, Any]) -> None:
-            probe.client.send_raw([pack(request)])
-            check_reply(probe.client.recv_raw(), request)
+            probe.client._send_raw([pack(request)])
+            check_reply(probe.client._recv_raw(), request)
 
         @settings(
             max_examples=150,
@@ -571,21 +609,21 @@ def test_random_input_never_hurts_the_daemon(start_daemon: DaemonFactory) -> Non
 
         assert daemon.alive()
         probe.client.resume()
-        markers = probe.client.reset(force=True)
+        markers = probe.client.reset(force=True).markers
         (marker,) = markers
-        probe.receive_until(lambda _: probe.last_seq >= marker["seq"], "the reset marker")
+        probe.receive_until(lambda _: probe.last_seq >= marker.seq, "the reset marker")
         assert probe.mirror.blocks == {}
         tokens = list(range(1, 3 * BLOCK_SIZE + 5))
         reply = probe.client.store("after-fuzz", tokens)
-        assert reply["num_cached_tokens"] == 0 and len(reply["block_ids"]) == 4
+        assert reply.num_cached_tokens == 0 and len(reply.block_ids) == 4
 
         def stored(batches: list[Any]) -> bool:
             return chain_hashes(tokens)[-1] in probe.mirror.blocks
 
         probe.receive_until(stored, "the store after the fuzzing")
         probe.check_against_snapshot()
-        stats = probe.client.stats()["ranks"][0]
-        assert stats["seq"] == probe.last_seq
+        stats = probe.client.stats().ranks[0]
+        assert stats.seq == probe.last_seq
         assert probe.sub.counters.lost == 0
     finally:
         sock.close()

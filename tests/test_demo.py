@@ -60,8 +60,8 @@ def test_loadgen_drives_a_running_daemon(daemon: Daemon) -> None:
     assert summary["released"] == summary["requests"]
     assert 0 < summary["cached_tokens"] < summary["prompt_tokens"]  # prefixes are shared
     with daemon.client() as client:
-        rank = client.stats()["ranks"][0]
-    assert rank["requests_open"] == 0 and rank["blocks_pinned"] == 0  # all released
+        rank = client.stats().ranks[0]
+    assert rank.requests_open == 0 and rank.blocks_pinned == 0  # all released
 
 
 @pytest.mark.parametrize(
@@ -69,8 +69,8 @@ def test_loadgen_drives_a_running_daemon(daemon: Daemon) -> None:
     [
         (["loadgen", "--prompt-mix", "chat=1,chat=2"], "--prompt-mix: prompt mix"),
         (["loadgen", "--prompt-mix", "chat=0"], "no kind has a positive weight"),
-        (["loadgen", "--rate", "-1"], "--rate: -1.0 must be a positive number"),
-        (["loadgen", "--hold", "nan"], "--hold: nan must be >= 0"),
+        (["loadgen", "--rate", "-1"], "--rate: -1.0 is not a positive number"),
+        (["loadgen", "--hold", "nan"], "--hold: nan is not a number of seconds >= 0"),
         (["demo", "--duration", "1"], "--duration: 1.0 is not between 2 and 3600 seconds"),
     ],
 )

@@ -92,10 +92,13 @@ def test_slow_subscriber_repairs_every_gap_by_replay(
 
 @pytest.mark.parametrize("form", FORMS)
 def test_history_gone_resyncs_from_snapshot(start_daemon: DaemonFactory, form: str) -> None:
-    """With a replay buffer of 4 batches, a long stall leaves a hole replay cannot fill: the
-    subscriber resynchronises from the snapshot (on_resync), never applies a batch twice, and
-    its mirror equals the snapshot."""
-    daemon = start_daemon(events={**SMALL_QUEUES, "buffer_steps": 4}, cache={"num_blocks": 4096})
+    """With a replay buffer of 4 batches (and no snapshot batch on replay), a long stall leaves
+    a hole replay cannot fill: the subscriber resynchronises from the control snapshot
+    (on_resync), never applies a batch twice, and its mirror equals the snapshot."""
+    daemon = start_daemon(
+        events={**SMALL_QUEUES, "buffer_steps": 4, "replay_snapshot": False},
+        cache={"num_blocks": 4096},
+    )
     record = Record()
     sub = subscriber(form, daemon, record, rcvhwm=2)
     try:
@@ -124,9 +127,13 @@ def test_history_gone_resyncs_from_snapshot(start_daemon: DaemonFactory, form: s
 def test_history_gone_without_control_is_lost_until_the_next_reset(
     start_daemon: DaemonFactory,
 ) -> None:
-    """Without a control endpoint a hole replay cannot fill is counted as lost and the mirror
-    is marked unsynced; the next AllBlocksCleared makes it exact again."""
-    daemon = start_daemon(events={**SMALL_QUEUES, "buffer_steps": 4}, cache={"num_blocks": 4096})
+    """Without a control endpoint a hole replay cannot fill (a daemon that does not answer with
+    a snapshot batch) is counted as lost and the mirror is marked unsynced; the next
+    AllBlocksCleared makes it exact again."""
+    daemon = start_daemon(
+        events={**SMALL_QUEUES, "buffer_steps": 4, "replay_snapshot": False},
+        cache={"num_blocks": 4096},
+    )
     sub = subscriber("sync", daemon, control=None, rcvhwm=2)
     try:
         with daemon.client() as client:
@@ -141,6 +148,29 @@ def test_history_gone_without_control_is_lost_until_the_next_reset(
     finally:
         sub.close()
     assert counters.resyncs == 0 and counters.restarts == 0
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_history_gone_is_rebuilt_by_the_replay_snapshot_batch(
+    start_daemon: DaemonFactory, control: bool
+) -> None:
+    """The daemon answers a replay of history it no longer holds with one batch: the marker
+    and the whole cache. With or without a control endpoint the subscriber loses nothing and
+    its mirror equals the snapshot."""
+    daemon = start_daemon(events={**SMALL_QUEUES, "buffer_steps": 4}, cache={"num_blocks": 4096})
+    sub = subscriber("sync", daemon, control=daemon.control_endpoint if control else None, rcvhwm=2)
+    try:
+        with daemon.client() as client:
+            go_live(sub, client, [0])
+            stall_then_read(sub, client)
+            assert_mirror_is_snapshot(sub, client, [0])
+            assert sub.synced(0)
+        counters = sub.rank_counters(0)
+    finally:
+        sub.close()
+    assert counters.gaps >= 1  # the stall did lose batches at the PUB
+    assert counters.resyncs >= 1  # the mirror was replaced by the replay's snapshot batch
+    assert (counters.lost, counters.restarts, counters.violations) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -349,22 +379,22 @@ def soak(start_daemon: DaemonFactory, seconds: float, seed: int) -> None:
                 client.release(request_id)
             for sub, ranks in zip(subs, followed, strict=True):
                 assert_mirror_is_snapshot(sub, client, ranks)
-            stats = {r["rank"]: r for r in client.stats()["ranks"]}
+            stats = {r.rank: r for r in client.stats().ranks}
         for i, (sub, record, ranks) in enumerate(zip(subs, records, followed, strict=True)):
             for rank in ranks:
                 c = sub.rank_counters(rank)
                 published = stats[rank]
-                assert record.seqs(rank) == list(range(published["seq"] + 1)), (
+                assert record.seqs(rank) == list(range(published.seq + 1)), (
                     f"subscriber {i} rank {rank}: a batch was lost or delivered twice"
                 )
-                assert c.events == published["events_published"]
+                assert c.events == published.events_published
                 assert (c.lost, c.violations, c.resyncs, c.restarts) == (0, 0, 0, 0)
         slow = subs[1].counters
         assert slow.gaps_repaired == slow.gaps >= 1, "the stalled subscriber lost nothing"
         report(
             f"soak {seconds:.0f} s",
             **operations,
-            batches={r: stats[r]["seq"] + 1 for r in (0, 1)},
+            batches={r: stats[r].seq + 1 for r in (0, 1)},
             gaps_repaired=[s.counters.gaps_repaired for s in subs],
             duplicates=[s.counters.duplicates for s in subs],
             gaps=[s.counters.gaps for s in subs],

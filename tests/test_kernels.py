@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 from kvpubd.daemon.kernels import (
-    GOLDEN,
-    SIZE_SALT,
     KernelSet,
     KernelUnavailable,
     gpu_available,
@@ -21,6 +19,10 @@ from kvpubd.daemon.kernels import (
 )
 
 MASK = (1 << 64) - 1
+# The checksum's constants as the definition states them (not imported: the reference below
+# must not share a typo with the implementation).
+GOLDEN = 0x9E3779B97F4A7C15
+SIZE_SALT = 0xD1B54A32D192ED03
 HAS_GPU = gpu_available()
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CuPy and a CUDA GPU")
 
@@ -64,14 +66,18 @@ def test_mix64_known_values() -> None:
 
 
 def test_checksum_known_answer_tiny_input() -> None:
-    pool = np.frombuffer(bytes(range(1, 21)), dtype=np.uint8).reshape(2, 10).copy()
-    expected = [ref_checksum(bytes(range(1, 11))), ref_checksum(bytes(range(11, 21)))]
-    got = numpy_checksum(pool, [0, 1])
-    assert got.dtype == np.uint64
-    assert [int(x) for x in got] == expected
+    # Literals from the plain-Python reference above, which is written from the definition
+    # alone (its constants included), so an error shared with the implementation cannot hide.
+    expected = [0x1370176A6A711E10, 0xCE3327AA100CF11F]
+    assert [ref_checksum(bytes(range(1, 11))), ref_checksum(bytes(range(11, 21)))] == expected
     # Hand-expanded for the first block: words 0x0807060504030201 and 0x0a09 (zero-padded).
     s = ref_mix64(0x0807060504030201) + ref_mix64(0x0A09 ^ GOLDEN)
     assert expected[0] == ref_mix64((s & MASK) ^ ((10 * SIZE_SALT) & MASK))
+    pool = np.frombuffer(bytes(range(1, 21)), dtype=np.uint8).reshape(2, 10).copy()
+    got = numpy_checksum(pool, [0, 1])
+    assert got.dtype == np.uint64
+    assert [int(x) for x in got] == expected
+    assert int(numpy_checksum(np.zeros((1, 8), np.uint8), [0])[0]) == 0xF3E0D4D508E2660B
 
 
 @pytest.mark.parametrize("block_bytes", BLOCK_SIZES)

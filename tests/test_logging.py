@@ -4,10 +4,14 @@ event, however much traffic there is."""
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Callable
 
+import pytest
+import zmq
+
 from kvpubd.tools.launcher import free_tcp_ports
-from tests.daemon import Daemon
+from tests.daemon import Daemon, wait_for, write_config
 from tests.streams import prompt
 
 StartDaemon = Callable[..., Daemon]
@@ -21,15 +25,16 @@ def test_one_line_per_lifecycle_step(start_daemon: StartDaemon) -> None:
             client.store(f"r{i}", prompt(i, 2))
             client.release(f"r{i}")
         client.reset()
-        client.call("pause")
-        client.call("resume")
+        client.pause()
+        client.resume()
     assert daemon.stop() == 0
     lines = [re.sub(r"^\S+ \S+ ", "", line) for line in daemon.log().splitlines()]
     expected = [
         r"INFO kvpubd: kvpubd \S+: config \S+kvpubd\.toml",
         r"INFO kvpubd: rank 0: events on ipc://\S+_dp0, replay on ipc://\S+_dp0",
         rf"INFO kvpubd: metrics on http://127\.0\.0\.1:{port}/metrics",
-        r"INFO kvpubd: ready: 1 rank\(s\), 256 blocks of \d+ bytes each, control on ipc://\S+",
+        r"INFO kvpubd: ready: 1 rank\(s\), 256 blocks of \d+ bytes each, "
+        r"control on ipc://\S+, fd limit \d+",
         r"INFO kvpubd: reset rank\(s\) 0 in \d+ us: markers 0:\d+",
         r"INFO kvpubd: periodic drain paused",
         r"INFO kvpubd: periodic drain resumed",
@@ -39,3 +44,51 @@ def test_one_line_per_lifecycle_step(start_daemon: StartDaemon) -> None:
     assert len(lines) == len(expected), "\n".join(lines)
     for line, pattern in zip(lines, expected, strict=True):
         assert re.fullmatch(pattern, line), (line, pattern)
+
+
+def test_journal_priorities_and_sighup_reload(
+    start_daemon: StartDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under systemd (JOURNAL_STREAM set) every line starts with its syslog priority, so
+    `journalctl -p warning` can filter. SIGHUP re-reads the config: the log level applies at
+    once, other changes are named as needing a restart, a broken config changes nothing; the
+    daemon keeps running (before, SIGHUP killed it without a word)."""
+    monkeypatch.setenv("JOURNAL_STREAM", "8:12345")
+    daemon = start_daemon(service={"log_level": "info"})
+
+    def dropped_a_message() -> None:  # a line the daemon logs at debug only
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(daemon.control_endpoint)
+        sock.send(b"no delimiter")
+        sock.close()
+        with daemon.client() as client:  # served after the message above
+            client.ping()
+
+    dropped_a_message()
+    settings = {section: dict(values) for section, values in daemon.settings.items()}
+    settings["service"]["log_level"] = "debug"
+    settings["events"]["hwm"] = 7
+    write_config(daemon.config_path, settings)
+    daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "restart the daemon to apply" in daemon.log(), what="the reload's lines")
+    dropped_a_message()
+    wait_for(lambda: "dropped a message" in daemon.log(), what="a debug line")
+
+    daemon.config_path.write_text("[service\n")
+    daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "nothing reloaded" in daemon.log(), what="the refused reload")
+    assert daemon.alive()
+    assert daemon.stop() == 0
+
+    lines = daemon.log().splitlines()
+    assert all(re.match(r"<[2-7]>[A-Z]+ ", line) for line in lines), lines
+    assert "<6>INFO kvpubd: SIGHUP: reloaded log level debug" in lines
+    assert "<4>WARNING kvpubd: SIGHUP: events.hwm changed; restart the daemon to apply" in lines
+    assert any(
+        re.fullmatch(r"<3>ERROR kvpubd: SIGHUP: config error: .*; nothing reloaded", line)
+        for line in lines
+    ), lines
+    debug = [line for line in lines if "dropped a message" in line]
+    assert len(debug) == 1 and debug[0].startswith("<7>DEBUG "), debug  # after the reload only
+    assert lines[-1] == "<6>INFO kvpubd: stopped"

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import msgpack
@@ -96,15 +97,15 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
         assert load_stats.requests > 0
 
         # Refused requests, each of a different kind.
-        client.send_raw([b"\xc1"])  # not msgpack
-        assert client.recv_raw()["error"]["code"] == "bad_request"
+        client._send_raw([b"\xc1"])  # not msgpack
+        assert client._recv_raw()["error"]["code"] == "bad_request"
         with pytest.raises(ControlError, match="unknown_op"):
-            client.call("frobnicate")
+            client._call("frobnicate")
         with pytest.raises(ControlError, match="bad_request"):
             client.store("bad-rank", [1] * 16, rank=7)
         # A snapshot publishes whatever is still captured; nothing publishes after it.
-        tap.through({0: client.snapshot(0)["seq"]})
-        stats = client.stats()["ranks"][0]
+        tap.through({0: client.snapshot(0).seq})
+        stats = client.stats().ranks[0]
         after = samples(scrape(url)[1])
 
     # Counters never go down between scrapes.
@@ -120,19 +121,35 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
         assert value(after, "kvpubd_events_published_total", rank="0", type=kind) == by_type[kind]
     assert by_type["AllBlocksCleared"] == 2  # the start and the reset
     assert value(after, "kvpubd_batches_published_total", rank="0") == len(history)
-    assert value(after, "kvpubd_seq", rank="0") == history[-1].seq == stats["seq"]
+    assert value(after, "kvpubd_seq", rank="0") == history[-1].seq == stats.seq
     assert value(after, "kvpubd_resets_total", rank="0") == 1
     assert value(after, "kvpubd_reset_duration_seconds_count") == 1
-    assert value(after, "kvpubd_dropped_stores_total", rank="0") == stats["dropped_stores"]
-    assert value(after, "kvpubd_replay_requests_total", rank="0") == stats["replay_requests"] >= 1
-    for gauge, key in (
-        ("kvpubd_pool_blocks_used", "blocks_used"),
-        ("kvpubd_pool_blocks_pinned", "blocks_pinned"),
-        ("kvpubd_pool_blocks_free", "blocks_free"),
-        ("kvpubd_pool_blocks_capacity", "blocks_total"),
-    ):
-        assert value(after, gauge, rank="0") == stats[key], gauge
-    assert value(after, "kvpubd_pool_blocks_used", rank="0") > 0
+    assert (
+        value(after, "kvpubd_dropped_stored_blocks_total", rank="0") == stats.dropped_stored_blocks
+    )
+    assert value(after, "kvpubd_replay_requests_total", rank="0") == stats.replay_requests >= 1
+    # Every number `stats` reports is exported under its own name: kvpubd_<key> (a gauge) or
+    # kvpubd_<key>_total (a counter); events_published is split by type.
+    for key, number in asdict(stats).items():
+        if key == "rank" or not isinstance(number, int):
+            continue
+        if key == "events_published":
+            exported = sum(
+                value(after, "kvpubd_events_published_total", rank="0", type=kind)
+                for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+            )
+        else:
+            names = (f"kvpubd_{key}", f"kvpubd_{key}_total")
+            rank0 = frozenset({("rank", "0")})
+            found = [v for (name, labels), v in after.items() if name in names and labels == rank0]
+            assert len(found) == 1, f"stats key {key}: no metric of its name"
+            exported = found[0]
+        assert exported == number, key
+    assert value(after, "kvpubd_blocks_used", rank="0") > 0
+    assert "kvpubd_build_info" in {name for name, _ in after}
+    # The reset histogram comes without a `_created` series (which the text format shows as a
+    # gauge of its own).
+    assert not [name for name, _ in after if name.endswith("_created")]
 
     # Control requests since the first scrape: the load's, the reset, the refused three (and
     # the snapshot and stats of the test itself).
@@ -155,10 +172,13 @@ def test_http_edges(start_daemon: StartDaemon) -> None:
     _, url = start_with_metrics(start_daemon)
     content_type, text = scrape(url)
     assert content_type.startswith("text/plain")
-    assert "kvpubd_info" in text
+    assert "kvpubd_build_info" in text
     content_type, text = scrape(url, accept="application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     assert text.endswith("# EOF\n")
+
+    with urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=10) as health:
+        assert health.status == 200 and health.read() == b"ok\n"
 
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(url.replace("/metrics", "/nope"), timeout=10)
@@ -174,7 +194,7 @@ def test_http_edges(start_daemon: StartDaemon) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
         assert sock.recv(4096) == b""  # closed without an answer
-    assert "kvpubd_info" in scrape(url)[1]  # and the daemon still serves
+    assert "kvpubd_build_info" in scrape(url)[1]  # and the daemon still serves
 
 
 async def test_daemons_in_one_process_keep_their_own_metrics(tmp_path: Path) -> None:
@@ -193,9 +213,10 @@ async def test_daemons_in_one_process_keep_their_own_metrics(tmp_path: Path) -> 
         for service in services:
             await service.startup()
         store = {"op": "store", "id": 1, "request_id": "r", "token_ids": list(range(48))}
-        reply = services[0].handle_frames([b"peer", b"", msgpack.packb(store)])
+        assert services[0].control is not None
+        reply = services[0].control.handle_frames([b"peer", b"", msgpack.packb(store)])
         assert reply is not None and msgpack.unpackb(reply)["ok"]
-        services[0].ranks[0].flush()
+        services[0].pipelines[0].flush()
         found = [
             samples((await asyncio.to_thread(scrape, f"http://127.0.0.1:{port}/metrics"))[1])
             for port in ports
@@ -208,7 +229,7 @@ async def test_daemons_in_one_process_keep_their_own_metrics(tmp_path: Path) -> 
     ]
     assert stored == [1, 0]
     assert [value(f, "kvpubd_control_requests_total", op="store") for f in found] == [1, 0]
-    assert [value(f, "kvpubd_pool_blocks_pinned", rank="0") for f in found] == [3, 0]
+    assert [value(f, "kvpubd_blocks_pinned", rank="0") for f in found] == [3, 0]
 
 
 def serve(config: Path) -> subprocess.CompletedProcess[str]:
@@ -263,3 +284,33 @@ def test_metrics_are_off_by_default(daemon: Daemon) -> None:
     assert Settings().metrics.port == 0
     wait_for(lambda: "ready:" in daemon.log(), what="the ready line")
     assert "metrics on" not in daemon.log()
+
+
+async def test_healthz_fails_when_the_drain_loop_is_gone(tmp_path: Path) -> None:
+    port = free_tcp_ports(1)[0]
+    settings = Settings(
+        events={"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+        control={"endpoint": f"ipc://{tmp_path}/ctl"},
+        cache={"num_blocks": 16, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
+        metrics={"port": port},
+    )
+    service = Service(settings)
+    url = f"http://127.0.0.1:{port}/healthz"
+
+    def status() -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    try:
+        await service.startup()
+        assert await asyncio.to_thread(status) == (200, b"ok\n")
+        for task in service._tasks:
+            if task.get_name() == "kvpubd drain loop":
+                task.cancel()
+        await asyncio.sleep(0)
+        assert await asyncio.to_thread(status) == (503, b"the drain loop is not running\n")
+    finally:
+        await service.shutdown()

@@ -109,7 +109,7 @@ def test_ready_watchdog_stopping_in_order(fake_systemd: FakeSystemd) -> None:
         assert ready["READY"] == "1"
         assert daemon.control_endpoint in ready["STATUS"]
         with daemon.client() as client:
-            assert client.ping()["ranks"] == 1
+            assert client.ping().ranks == 1
         first = replay(rank_endpoint(daemon.replay_endpoint, 0), 0)[0]
         assert first[0] == 0
         assert decode_batch(first[1]).events == [AllBlocksCleared()]

@@ -55,6 +55,9 @@ def test_unit_runs_the_daemon_as_a_notify_service(monkeypatch: pytest.MonkeyPatc
     assert unit["ExecStart"] == [f"{INSTALLED_PATH} serve --config /etc/kvpubd/kvpubd.toml"]
     assert unit["WatchdogSec"] and unit["Restart"] == ["on-failure"]
     assert unit["RuntimeDirectory"] == ["kvpubd"]
+    # Room for thousands of connections; SIGHUP reloads (the daemon handles it).
+    assert int(unit["LimitNOFILE"][0]) >= 65536
+    assert unit["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     for key in ("NoNewPrivileges", "PrivateTmp", "ProtectHome"):
         assert unit[key] == ["yes"], key
     assert unit["ProtectSystem"] == ["strict"]

@@ -52,19 +52,19 @@ def test_mapped_writes_match_daemon_checksums(start_daemon: DaemonFactory, devic
     daemon = start_daemon(cache={"device": device, "num_blocks": 64, **GEOMETRY})
     with daemon.client() as client:
         info = client.pool_info()
-        assert info["shape"] == [64, 768] and info["block_bytes"] == 768
-        assert info["kind"] == ("shm" if device == "cpu" else "cuda_ipc")
+        assert info.shape == (64, 768) and info.block_bytes == 768
+        assert info.kind == ("shm" if device == "cpu" else "cuda_ipc")
         reply = client.store("req", prompt(1, 5, tail=3))
-        block_ids = reply["block_ids"]
+        block_ids = reply.block_ids
         assert len(block_ids) == 6
         with map_pool(client) as pool:
             written = write_pattern(pool.array, block_ids, seed=7)
             expected = numpy_checksum(written, list(range(len(block_ids)))).tolist()
-            assert client.checksum(block_ids) == expected
+            assert client.checksum(block_ids).checksums == expected
             # Blocks nobody wrote still read as zeros, and their checksums say so.
             untouched = [b for b in range(64) if b not in block_ids][:4]
             zeros = numpy_checksum(np.zeros((1, 768), np.uint8), [0] * len(untouched)).tolist()
-            assert client.checksum(untouched) == zeros
+            assert client.checksum(untouched).checksums == zeros
             # What the daemon sees is what the mapping sees.
             assert np.array_equal(host_copy(pool.array)[block_ids], written)
 
@@ -73,13 +73,13 @@ def test_mapped_writes_match_daemon_checksums(start_daemon: DaemonFactory, devic
 def test_reset_scrubs_freed_blocks(start_daemon: DaemonFactory, device: str) -> None:
     daemon = start_daemon(cache={"device": device, "num_blocks": 64, **GEOMETRY})
     with daemon.client() as client, map_pool(client) as pool:
-        block_ids = client.store("req", prompt(2, 4))["block_ids"]
+        block_ids = client.store("req", prompt(2, 4)).block_ids
         write_pattern(pool.array, block_ids, seed=3)
         assert host_copy(pool.array)[block_ids].any()
         client.release("req")
         client.reset()
         zeros = numpy_checksum(np.zeros((1, 768), np.uint8), [0] * len(block_ids)).tolist()
-        assert client.checksum(block_ids) == zeros
+        assert client.checksum(block_ids).checksums == zeros
         assert not host_copy(pool.array)[block_ids].any()
 
 
@@ -88,10 +88,10 @@ def test_evicted_blocks_are_scrubbed_before_reuse(start_daemon: DaemonFactory, d
     """With a full pool, a store evicts old blocks and is handed them back zeroed."""
     daemon = start_daemon(cache={"device": device, "num_blocks": 8, **GEOMETRY})
     with daemon.client() as client, map_pool(client) as pool:
-        first = client.store("a", prompt(3, 8))["block_ids"]
+        first = client.store("a", prompt(3, 8)).block_ids
         write_pattern(pool.array, first, seed=5)
         client.release("a")
-        second = client.store("b", prompt(4, 8))["block_ids"]
+        second = client.store("b", prompt(4, 8)).block_ids
         assert sorted(second) == sorted(first)  # every block was evicted and reused
         assert not host_copy(pool.array)[second].any()
 
@@ -102,7 +102,7 @@ def test_checksum_refuses_bad_block_ids(daemon: Any) -> None:
             with pytest.raises(ControlError) as caught:
                 client.checksum(bad)
             assert caught.value.code == "bad_request"
-        assert client.checksum([]) == []
+        assert client.checksum([]).checksums == []
 
 
 def shm_path(name: str) -> Path:
@@ -113,7 +113,7 @@ def shm_path(name: str) -> Path:
 def test_segment_is_owner_only_and_removed_on_stop(start_daemon: DaemonFactory, sig: int) -> None:
     daemon = start_daemon()
     with daemon.client() as client:
-        path = shm_path(client.pool_info()["name"])
+        path = shm_path(client.pool_info().name)
     mode = stat.S_IMODE(path.stat().st_mode)
     assert mode == 0o600, oct(mode)
     assert path.stat().st_uid == os.getuid()
@@ -125,7 +125,7 @@ def test_segment_is_removed_after_kill(start_daemon: DaemonFactory) -> None:
     """Even SIGKILL leaves no segment: the resource tracker unlinks what the daemon held."""
     daemon = start_daemon()
     with daemon.client() as client:
-        path = shm_path(client.pool_info()["name"])
+        path = shm_path(client.pool_info().name)
     assert path.exists()
     daemon.stop(signal.SIGKILL)
     wait_for(lambda: not path.exists(), timeout=20, what="the segment to be unlinked")
@@ -145,10 +145,10 @@ def test_mapping_client_exit_does_not_unlink_the_segment(daemon: Any) -> None:
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
     with daemon.client() as client:
         info = client.pool_info()
-        assert shm_path(info["name"]).exists()
-        written = np.zeros((1, info["block_bytes"]), np.uint8)
+        assert shm_path(info.name).exists()
+        written = np.zeros((1, info.block_bytes), np.uint8)
         written[0, 0] = 7
-        assert client.checksum([0]) == numpy_checksum(written, [0]).tolist()
+        assert client.checksum([0]).checksums == numpy_checksum(written, [0]).tolist()
 
 
 def children_of(pid: int) -> list[int]:
@@ -170,7 +170,7 @@ def test_restart_replaces_a_segment_left_by_a_killed_process_group(
     group), the segment stays behind; the next start on the same endpoint replaces it."""
     daemon = start_daemon()
     with daemon.client() as client:
-        path = shm_path(client.pool_info()["name"])
+        path = shm_path(client.pool_info().name)
         client.store("a", prompt(6, 2))
     assert daemon.proc is not None
     for child in children_of(daemon.proc.pid):  # the resource tracker
@@ -179,8 +179,8 @@ def test_restart_replaces_a_segment_left_by_a_killed_process_group(
     assert path.exists()
     daemon.start()
     with daemon.client() as client:
-        assert shm_path(client.pool_info()["name"]) == path
-        assert client.stats()["ranks"][0]["blocks_used"] == 0
+        assert shm_path(client.pool_info().name) == path
+        assert client.stats().ranks[0].blocks_used == 0
     assert "removed stale shared memory segment" in daemon.log()
     assert daemon.stop() == 0
     assert not path.exists()

@@ -17,8 +17,8 @@ def publish_batches(daemon: Daemon, count: int) -> int:
     """``count`` one-marker batches (resets of an empty cache); returns the last seq."""
     with daemon.client() as client:
         for _ in range(count):
-            (marker,) = client.reset()
-        return marker["seq"]
+            (marker,) = client.reset().markers
+        return marker.seq
 
 
 def test_long_replay_is_complete_and_ordered(start_daemon: DaemonFactory) -> None:
@@ -39,6 +39,6 @@ def test_many_concurrent_replays_all_complete(start_daemon: DaemonFactory) -> No
     with daemon.client(timeout=10) as client:
         replays = concurrent_replays(endpoint, 40)
         # After 40 concurrent replays, control requests are still answered.
-        assert client.ping()["epoch"] == daemon.epoch
+        assert client.ping().epoch == daemon.epoch
     for got in replays:
         assert got == list(range(last + 1))

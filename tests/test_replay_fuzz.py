@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from kvpubd.client import Mirror, replay
 from kvpubd.protocol.config import rank_endpoint
-from kvpubd.protocol.wire import decode_batch
+from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
 from tests.daemon import Daemon
+from tests.mirrors import snapshot_blocks
 from tests.streams import BLOCK_SIZE, concurrent_replays, prompt
 
 frames_strategy = st.lists(st.binary(max_size=64), min_size=0, max_size=5)
@@ -42,11 +43,15 @@ def check_stream(daemon: Daemon, endpoint: str) -> None:
     with daemon.client() as client:
         snapshot = client.snapshot()
     batches = replay(endpoint, 0, timeout=20)
-    assert [seq for seq, _ in batches] == list(range(snapshot["seq"] + 1))
+    # The run's first batch (its start marker) is still retained: replay starts there.
+    origin = batches[0][0]
+    assert decode_batch(batches[0][1]).events == [AllBlocksCleared()]
+    assert [seq for seq, _ in batches] == list(range(origin, snapshot.seq + 1))
     mirror = Mirror(BLOCK_SIZE)
     for _, payload in batches:
         mirror.apply(decode_batch(payload).events)
-    assert len(mirror.blocks) == len(snapshot["events"])
+    # Which blocks, with their parents, tokens and LoRA fields: the stream is the snapshot.
+    assert mirror.blocks == snapshot_blocks(snapshot)
 
 
 @settings(
@@ -70,9 +75,13 @@ def test_hundreds_of_concurrent_replay_clients(daemon: Daemon) -> None:
         for i in range(50):
             client.store(f"r{i}", prompt(1000 + i, 2))
             client.release(f"r{i}")
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
     endpoint = rank_endpoint(daemon.replay_endpoint, 0)
+    origin = replay(endpoint, 0, timeout=20)[0][0]
     for got in concurrent_replays(endpoint, 300):
-        assert got[-(last + 1) :] == list(range(last + 1))
+        assert got == list(range(origin, last + 1))
     assert daemon.alive()
+    with daemon.client() as client:
+        # More clients than max_replays: some were refused, asked again and were served.
+        assert client.stats().ranks[0].replays_refused > 0
     check_stream(daemon, endpoint)

@@ -1,4 +1,4 @@
-"""The reset contract (DESIGN.md "Reset"), against a real daemon: one marker per reset, in
+"""The reset contract (README "Reset"), against a real daemon: one marker per reset, in
 order after everything captured before it, on the wire before the reply (even while paused,
 even with the capture cap exhausted), kept by replay, per rank, refused while blocks are
 pinned unless forced.
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvpubd.client import ControlClient, ControlError, Mirror, Received
+from kvpubd.client import ControlClient, ControlError, Marker, Mirror, Received, StoreReply
 from kvpubd.protocol.config import rank_endpoint
 from kvpubd.protocol.wire import (
     END_SEQ,
@@ -54,7 +54,9 @@ def live(daemon: Daemon, **sub_kwargs: Any) -> Iterator[tuple[ControlClient, Tap
         yield client, tap
 
 
-def store_released(client: ControlClient, request_id: str, tokens: list[int], **kw: Any) -> dict:
+def store_released(
+    client: ControlClient, request_id: str, tokens: list[int], **kw: Any
+) -> StoreReply:
     reply = client.store(request_id, tokens, **kw)
     client.release(request_id)
     return reply
@@ -91,11 +93,11 @@ def test_each_reset_publishes_exactly_one_marker_in_the_replied_batch(
             if case == 2:  # something captured but still pending at the reset
                 client.pause()
                 store_released(client, f"pend-{case}", prompt(case + 1, 2))
-            markers = client.reset()
+            markers = client.reset().markers
             if case == 2:
                 client.resume()
-            assert len(markers) == 1 and markers[0]["rank"] == 0
-            marker_seq = markers[0]["seq"]
+            assert len(markers) == 1 and markers[0].rank == 0
+            marker_seq = markers[0].seq
             assert marker_seq == before + 1
             fence(client, tap, seed=100 + case)
             batches = tap.after(0, before)
@@ -128,14 +130,14 @@ def test_events_captured_before_reset_leave_before_marker_and_none_after_name_ol
         store_released(client, "b", b)
         # 1 probe + 3 + 3 = 7 of 8 blocks: C needs 3, so the probe and A's tail are evicted.
         store_released(client, "c", c)
-        [marker] = client.reset()
+        [marker] = client.reset().markers
 
         # After the reset (still paused): A again, extended by two blocks; then E; then F
         # needs evictions, which can only hit blocks stored after the reset.
         ad = a + prompt(4, 2)
         e, f = prompt(5, 3), prompt(6, 2)
         had, he, hf = chain_hashes(ad), chain_hashes(e), chain_hashes(f)
-        assert store_released(client, "ad", ad)["num_cached_tokens"] == 0
+        assert store_released(client, "ad", ad).num_cached_tokens == 0
         store_released(client, "e", e)
         store_released(client, "f", f)
         client.resume()
@@ -144,7 +146,7 @@ def test_events_captured_before_reset_leave_before_marker_and_none_after_name_ol
         events = flat_events(tap.after(0, before))
         at = [i for i, (_, event) in enumerate(events) if is_marker(event)]
         assert len(at) == 1, "exactly one marker"
-        assert events[at[0]][0] == marker["seq"]
+        assert events[at[0]][0] == marker.seq
         pre = [event for _, event in events[: at[0]]]
         post = [event for _, event in events[at[0] + 1 :]]
 
@@ -185,8 +187,8 @@ def test_reset_while_paused_is_on_the_wire_before_the_reply(start_daemon: StartD
         before = tap.last_seq()
         tokens = prompt(1, 2)
         store_released(client, "p", tokens)
-        [marker] = client.reset()
-        assert marker == {"rank": 0, "seq": before + 1}
+        [marker] = client.reset().markers
+        assert marker == Marker(0, before + 1)
         got = tap.through({0: before + 1})
         assert [(b.seq, b.replayed) for b in got] == [(before + 1, False)]
         assert got[0].batch.events == [
@@ -194,13 +196,13 @@ def test_reset_while_paused_is_on_the_wire_before_the_reply(start_daemon: StartD
             AllBlocksCleared(),
         ]
         # Again with nothing pending: the marker alone.
-        [marker] = client.reset()
-        assert marker == {"rank": 0, "seq": before + 2}
+        [marker] = client.reset().markers
+        assert marker == Marker(0, before + 2)
         got = tap.through({0: before + 2})
         assert [(b.seq, b.replayed, b.batch.events) for b in got] == [
             (before + 2, False, [AllBlocksCleared()])
         ]
-        assert client.stats()["paused"] is True
+        assert client.stats().paused is True
 
 
 # -- 4. cap bypass -----------------------------------------------------------------------------
@@ -217,7 +219,7 @@ def test_reset_bypasses_an_exhausted_cap_and_starts_a_fresh_budget(
     with live(daemon) as (client, tap):
 
         def dropped() -> int:
-            return client.stats()["ranks"][0]["dropped_stores"]
+            return client.stats().ranks[0].dropped_stored_blocks
 
         assert dropped() == 0
         before = tap.last_seq()
@@ -227,8 +229,8 @@ def test_reset_bypasses_an_exhausted_cap_and_starts_a_fresh_budget(
         store_released(client, "y", y)  # 1 published, 2 dropped
         store_released(client, "z", z)  # 2 dropped: the cap is exhausted (and the pool full)
         assert dropped() == 4
-        [marker] = client.reset()
-        assert marker["seq"] == before + 1
+        [marker] = client.reset().markers
+        assert marker.seq == before + 1
         assert dropped() == 4, "the marker must not count against the cap"
         got = tap.through({0: before + 1})
         assert [b.replayed for b in got] == [False]
@@ -241,7 +243,7 @@ def test_reset_bypasses_an_exhausted_cap_and_starts_a_fresh_budget(
 
         # Same paused tick, after the reset: a fresh budget of 4.
         w, v = prompt(4, 5), prompt(5, 1)
-        assert store_released(client, "w", w)["num_cached_tokens"] == 0
+        assert store_released(client, "w", w).num_cached_tokens == 0
         store_released(client, "v", v)  # over the fresh cap: dropped
         assert dropped() == 4 + 1 + 1
         client.resume()
@@ -296,15 +298,15 @@ def test_same_prompt_after_reset_is_stored_again_with_same_hashes(
     )
     with live(daemon) as (client, tap):
         before = tap.last_seq()
-        assert store_released(client, "p1", tokens, **extra)["num_cached_tokens"] == 0
+        assert store_released(client, "p1", tokens, **extra).num_cached_tokens == 0
         first = tap.through({0: before + 1})
         assert [b.batch.events for b in first] == [[expected]]
         # Stored again without a reset: fully matched, nothing new.
-        assert store_released(client, "p2", tokens, **extra)["num_cached_tokens"] == len(full)
+        assert store_released(client, "p2", tokens, **extra).num_cached_tokens == len(full)
 
-        [marker] = client.reset()
-        assert marker["seq"] == before + 2
-        assert store_released(client, "p3", tokens, **extra)["num_cached_tokens"] == 0
+        [marker] = client.reset().markers
+        assert marker.seq == before + 2
+        assert store_released(client, "p3", tokens, **extra).num_cached_tokens == 0
         again = tap.through({0: before + 3})
         assert [(b.seq, b.batch.events) for b in again] == [
             (before + 2, [AllBlocksCleared()]),
@@ -343,9 +345,9 @@ def check_replay_keeps_marker(start_daemon: StartDaemon, framing: str) -> None:
     with live(daemon, topic=TOPIC) as (client, tap):
         client.pause()
         store_released(client, "p", prompt(1, 2))
-        [marker] = client.reset()
+        [marker] = client.reset().markers
         client.resume()
-        seq = marker["seq"]
+        seq = marker.seq
         [received] = tap.through({0: seq})
         assert (received.seq, received.replayed) == (seq, False)
         assert is_marker(received.batch.events[-1])
@@ -393,8 +395,8 @@ def test_twenty_resets_give_twenty_markers_on_gap_free_seqs(start_daemon: StartD
         for i in range(n):
             if i % 2:
                 store_released(client, f"r{i}", prompt(i, 1))
-            [marker] = client.reset()
-            seqs.append(marker["seq"])
+            [marker] = client.reset().markers
+            seqs.append(marker.seq)
         assert seqs == list(range(before + 1, before + 1 + n))
         got = tap.through({0: seqs[-1]})
         assert [(b.seq, b.replayed) for b in got] == [(s, False) for s in seqs]
@@ -413,9 +415,9 @@ def test_reset_of_an_empty_cache_publishes_a_marker(start_daemon: StartDaemon) -
     marker batch at the replied seq."""
     daemon = start_daemon()
     with daemon.client() as client, daemon.subscriber() as sub:
-        ranks = client.stats()["ranks"]
-        assert ranks[0]["blocks_cached"] == 0 and ranks[0]["blocks_used"] == 0
-        assert client.reset() == [{"rank": 0, "seq": 1}]
+        ranks = client.stats().ranks
+        assert ranks[0].blocks_cached == 0 and ranks[0].blocks_used == 0
+        assert client.reset().markers == [Marker(0, 1)]
         got = sub.catch_up()  # the SUB socket may not be connected yet: read through replay
         assert [(b.seq, b.batch.events) for b in got] == [
             (0, [AllBlocksCleared()]),
@@ -424,10 +426,10 @@ def test_reset_of_an_empty_cache_publishes_a_marker(start_daemon: StartDaemon) -
     with live(daemon) as (client, tap):
         client.reset()  # drops go_live's probe block
         tap.settle(client)
-        ranks = client.stats()["ranks"]
-        assert ranks[0]["blocks_cached"] == 0 and ranks[0]["blocks_used"] == 0
+        ranks = client.stats().ranks
+        assert ranks[0].blocks_cached == 0 and ranks[0].blocks_used == 0
         before = tap.last_seq()
-        assert client.reset() == [{"rank": 0, "seq": before + 1}]
+        assert client.reset().markers == [Marker(0, before + 1)]
         got = tap.through({0: before + 1})
         assert [(b.seq, b.replayed, b.batch.events) for b in got] == [
             (before + 1, False, [AllBlocksCleared()])
@@ -447,8 +449,8 @@ def test_reset_of_all_ranks_puts_one_marker_on_each_rank_socket(
         for rank in range(2):
             tap.store_seen(client, f"p{rank}", prompt(1 + rank, 2), rank=rank)
         before = {rank: tap.last_seq(rank) for rank in range(2)}
-        markers = sorted(client.reset(), key=lambda m: m["rank"])
-        assert markers == [{"rank": r, "seq": before[r] + 1} for r in range(2)]
+        markers = sorted(client.reset().markers, key=lambda m: m.rank)
+        assert markers == [Marker(r, before[r] + 1) for r in range(2)]
         for rank in range(2):
             fence(client, tap, seed=10 + rank, rank=rank)
         for rank in range(2):
@@ -471,11 +473,11 @@ def test_reset_of_one_rank_leaves_the_other_rank_untouched(start_daemon: StartDa
         tap.store_seen(client, "q", q, rank=1)
         before = {rank: tap.last_seq(rank) for rank in range(2)}
 
-        assert client.reset(rank=1) == [{"rank": 1, "seq": before[1] + 1}]
+        assert client.reset(rank=1).markers == [Marker(1, before[1] + 1)]
         # Fence on rank 0: P extended by one block still matches P, and its store is the very
         # next rank-0 batch.
         ext = p + prompt(3, 1)
-        assert store_released(client, "ext", ext, rank=0)["num_cached_tokens"] == len(p)
+        assert store_released(client, "ext", ext, rank=0).num_cached_tokens == len(p)
         tap.until(lambda: tap.last_seq(0) > before[0], what="rank 0's next batch")
         tap.through({1: before[1] + 1})
         hp, hext = chain_hashes(p), chain_hashes(ext)
@@ -488,9 +490,9 @@ def test_reset_of_one_rank_leaves_the_other_rank_untouched(start_daemon: StartDa
         assert [(b.seq, b.batch.events) for b in tap.after(1, before[1])] == [
             (before[1] + 1, [AllBlocksCleared()])
         ]
-        stats = {r["rank"]: r for r in client.stats()["ranks"]}
-        assert (stats[0]["resets"], stats[1]["resets"]) == (0, 1)
-        assert store_released(client, "q2", q, rank=1)["num_cached_tokens"] == 0
+        stats = {r.rank: r for r in client.stats().ranks}
+        assert (stats[0].resets, stats[1].resets) == (0, 1)
+        assert store_released(client, "q2", q, rank=1).num_cached_tokens == 0
 
 
 # -- 10. busy / force --------------------------------------------------------------------------
@@ -507,9 +509,9 @@ def test_reset_while_blocks_are_pinned_is_busy_unless_forced(start_daemon: Start
 
         def state() -> tuple[Any, ...]:
             snap = client.snapshot(0)
-            r = client.stats()["ranks"][0]
+            r = client.stats().ranks[0]
             counters = ("resets", "blocks_cached", "blocks_used", "requests_open", "seq")
-            return snap["seq"], snap["epoch"], snap["events"], tuple(r[k] for k in counters)
+            return snap.seq, snap.epoch, snap.events, tuple(getattr(r, k) for k in counters)
 
         before_state = state()
         before = tap.last_seq()
@@ -527,8 +529,8 @@ def test_reset_while_blocks_are_pinned_is_busy_unless_forced(start_daemon: Start
             (before + 1, [BlockStored(chain_hashes(q), None, q, BLOCK_SIZE, None, "CPU", None)])
         ]
 
-        [marker] = client.reset(force=True)
-        assert marker == {"rank": 0, "seq": before + 2}
+        [marker] = client.reset(force=True).markers
+        assert marker == Marker(0, before + 2)
         got = tap.through({0: before + 2})
         assert [(b.seq, b.replayed, b.batch.events) for b in got] == [
             (before + 2, False, [AllBlocksCleared()])
@@ -536,9 +538,9 @@ def test_reset_while_blocks_are_pinned_is_busy_unless_forced(start_daemon: Start
         with pytest.raises(ControlError) as unknown:
             client.release("open")
         assert unknown.value.code == "unknown_request"
-        r = client.stats()["ranks"][0]
-        assert (r["requests_open"], r["blocks_cached"], r["blocks_used"]) == (0, 0, 0)
-        assert client.snapshot(0)["events"] == []
+        r = client.stats().ranks[0]
+        assert (r.requests_open, r.blocks_cached, r.blocks_used) == (0, 0, 0)
+        assert client.snapshot(0).events == []
 
 
 # -- CLI ---------------------------------------------------------------------------------------

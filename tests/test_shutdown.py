@@ -74,21 +74,21 @@ def test_stop_publishes_pending_events_and_exits_0(daemon: Daemon, sig: int) -> 
         seen = connect_live(daemon, sub)
         with daemon.client() as client:
             client.pause()
-            before = client.stats()["ranks"][0]
+            before = client.stats().ranks[0]
             for i, tokens in enumerate(prompts):
                 client.store(f"pending-{i}", tokens)
-            after = client.stats()["ranks"][0]
+            after = client.stats().ranks[0]
         # Captured (pending, counted as published blocks) but not sent: seq did not move.
-        assert after["seq"] == before["seq"]
-        assert after["events_pending"] == len(prompts)
-        assert after["blocks_published"] == before["blocks_published"] + 2 * len(prompts)
+        assert after.seq == before.seq
+        assert after.events_pending == len(prompts)
+        assert after.blocks_published == before.blocks_published + 2 * len(prompts)
         assert control_path(daemon).exists()
 
         assert daemon.stop(sig) == 0
 
         wanted = [chain_hashes(tokens) for tokens in prompts]
         deadline = time.monotonic() + 10.0
-        while not seen or seen[-1].seq < before["seq"] + 1:
+        while not seen or seen[-1].seq < before.seq + 1:
             assert time.monotonic() < deadline, "the pending events never arrived"
             seen.extend(sub.receive(0.05))
         # Nothing else arrives after the last batch: the stream has ended.
@@ -100,7 +100,7 @@ def test_stop_publishes_pending_events_and_exits_0(daemon: Daemon, sig: int) -> 
     for received in seen:
         mirror.apply(received.batch.events)
     last = seen[-1]
-    assert last.seq == before["seq"] + 1
+    assert last.seq == before.seq + 1
     stored = [e.block_hashes for e in last.batch.events if isinstance(e, BlockStored)]
     assert stored == wanted
     assert not control_path(daemon).exists()

@@ -107,8 +107,8 @@ def test_tracker_applies_in_order_and_ignores_duplicates() -> None:
     tracker.catch_up()
     assert tracker.next_request() == Ping()
     tracker.on_ping({"epoch": 7, "ranks": 1})
-    assert tracker.next_request() == Replay(0, 4)
-    assert seqs(tracker.on_replay(0, 4, replayed(4, 4))) == [4]
+    assert tracker.next_request() == Replay(0, 3)  # from last: the overlap proves the same run
+    assert seqs(tracker.on_replay(0, 3, replayed(3, 4))) == [4]
     assert tracker.on_live(0, live(4, STREAM[4])) == []
     c = stream.counters
     assert (c.batches, c.duplicates, c.gaps, c.restarts) == (5, 1, 0, 0)
@@ -117,7 +117,8 @@ def test_tracker_applies_in_order_and_ignores_duplicates() -> None:
 
 def test_tracker_repairs_a_gap_by_replay_after_an_epoch_check() -> None:
     """A live seq above last+1 is a gap: the tracker asks for a ping (same daemon run?) and
-    then a replay from last+1; the replayed batches and the live one are applied in order."""
+    then a replay from last (the overlap); the replayed batches and the live one are applied
+    in order."""
     gaps: list[tuple[int, int, int]] = []
     tracker = connected(upto=1)
     tracker.callbacks.on_gap = lambda *args: gaps.append(args)
@@ -125,8 +126,8 @@ def test_tracker_repairs_a_gap_by_replay_after_an_epoch_check() -> None:
     assert gaps == [(0, 2, 4)]
     assert tracker.next_request() == Ping()
     tracker.on_ping({"epoch": 7, "ranks": 1})
-    assert tracker.next_request() == Replay(0, 2)
-    got = tracker.on_replay(0, 2, replayed(2, 3))
+    assert tracker.next_request() == Replay(0, 1)
+    got = tracker.on_replay(0, 1, replayed(1, 3))
     assert [(b.seq, b.replayed) for b in got] == [(2, True), (3, True), (4, False)]
     c = tracker.streams[0].counters
     assert (c.gaps, c.gaps_repaired, c.replayed, c.lost) == (1, 1, 4, 0)
@@ -140,8 +141,8 @@ def test_tracker_resyncs_from_the_snapshot_when_history_is_gone() -> None:
     tracker.callbacks.on_resync = lambda *args: resyncs.append(args)
     tracker.on_live(0, live(5, STREAM[5]))
     tracker.on_ping({"epoch": 7, "ranks": 1})
-    assert tracker.next_request() == Replay(0, 2)
-    assert tracker.on_replay(0, 2, replayed(4, 5)) == []
+    assert tracker.next_request() == Replay(0, 1)
+    assert tracker.on_replay(0, 1, replayed(4, 5)) == []
     assert tracker.next_request() == Snapshot(0)
     # Meanwhile the daemon published seq 6, storing block 9: the snapshot is taken after it.
     state = (stored(1), stored(3, 1), stored(4, 3), stored(9, 4))
@@ -214,7 +215,7 @@ def test_tracker_snapshot_of_another_run_is_a_restart() -> None:
     tracker = connected(upto=1)
     tracker.on_live(0, live(5, STREAM[5]))
     tracker.on_ping({"epoch": 7, "ranks": 1})
-    tracker.on_replay(0, 2, replayed(4, 5))
+    tracker.on_replay(0, 1, replayed(4, 5))
     tracker.on_snapshot(0, {"rank": 0, "seq": 9, "epoch": 8, "events": []})
     assert tracker.streams[0].counters.restarts == 1
     assert tracker.streams[0].counters.resyncs == 0
@@ -226,10 +227,77 @@ def test_tracker_replay_that_ends_before_a_live_seq_is_a_restart() -> None:
     replay came from another run (e.g. without control, no epoch to check)."""
     tracker = connected(control=False, upto=1)
     tracker.on_live(0, live(5, STREAM[5]))
-    assert tracker.next_request() == Replay(0, 2)
-    tracker.on_replay(0, 2, replayed(2, 3))
+    assert tracker.next_request() == Replay(0, 1)
+    tracker.on_replay(0, 1, replayed(1, 3))
     assert tracker.streams[0].counters.restarts == 1
     assert tracker.next_request() == Reconnect(0)
+
+
+def test_tracker_overlap_with_another_payload_is_a_restart() -> None:
+    """Without control, cut off while the daemon restarted (zero origin) until the new run's
+    seqs passed the old run's last: the repair replays from ``last`` and the batch there is
+    not the one applied. The state is dropped and rebuilt from the new run."""
+    restarts: list[tuple[int, str]] = []
+    tracker = connected(control=False, upto=2)
+    tracker.callbacks.on_restart = lambda *args: restarts.append(args)
+    tracker.on_live(0, live(5, STREAM[5], ts=9.0))  # the new run's batch
+    assert tracker.next_request() == Replay(0, 2)
+    assert tracker.on_replay(0, 2, replayed(2, 5, ts=9.0)) == []
+    assert "another payload" in restarts[0][1]
+    assert tracker.next_request() == Reconnect(0)
+    tracker.on_reconnected(0)
+    assert tracker.next_request() == Replay(0, 0)
+    assert seqs(tracker.on_replay(0, 0, replayed(0, 5, ts=9.0))) == [0, 1, 2, 3, 4, 5]
+    stream = tracker.streams[0]
+    assert stream.mirror is not None and set(stream.mirror.blocks) == {1, 3, 4}
+    assert (stream.counters.restarts, stream.counters.lost) == (1, 0)
+
+
+def test_tracker_empty_replay_from_last_is_a_restart() -> None:
+    """One run's replay holds at least its latest batch: nothing from ``last`` means the
+    daemon now answering has not got that far (another run)."""
+    tracker = connected(control=False, upto=2)
+    tracker.catch_up()
+    assert tracker.next_request() == Replay(0, 2)
+    assert tracker.on_replay(0, 2, []) == []
+    assert tracker.streams[0].counters.restarts == 1
+    assert tracker.next_request() == Reconnect(0)
+
+
+@pytest.mark.parametrize("control", [True, False], ids=["control", "no-control"])
+def test_tracker_jump_onto_a_reset_marker_rebuilds_the_mirror(control: bool) -> None:
+    """A repair whose replay jumps past the seqs asked for onto a batch holding
+    AllBlocksCleared (a restarted daemon's first batch at a later seq origin, or a daemon's
+    answer to a request for lost history): the mirror is rebuilt from that marker, exact,
+    with nothing counted as lost and no snapshot needed."""
+    tracker = connected(control=control, upto=2)
+    origin = 1_700_000_000_000_000  # the new run's clock origin
+    new_run = [(origin, payload([AllBlocksCleared()], 5.0)), (origin + 1, payload([stored(7)]))]
+    tracker.on_live(0, [b"", pack_seq(origin + 1), new_run[1][1]])
+    if control:
+        assert tracker.next_request() == Ping()
+        tracker.on_ping({"epoch": 7, "ranks": 1})  # e.g. lost history of the same run
+    assert tracker.next_request() == Replay(0, 2)
+    assert seqs(tracker.on_replay(0, 2, new_run)) == [origin, origin + 1]
+    stream = tracker.streams[0]
+    assert tracker.next_request() is None
+    assert stream.synced and stream.mirror is not None and set(stream.mirror.blocks) == {7}
+    c = stream.counters
+    assert (c.resyncs, c.lost, c.restarts, c.violations) == (1, 0, 0, 0)
+
+
+def test_tracker_first_replay_at_a_clock_origin() -> None:
+    """A daemon's seqs need not start at 0: a fresh tracker's replay from 0 that starts at the
+    run's first batch (its start-up marker) is the whole history, nothing lost or resynced."""
+    tracker = StreamTracker([0], replay=True, control=False)
+    origin = 1_700_000_000_000_000
+    history = [(origin + i, payload(events)) for i, events in enumerate(STREAM)]
+    assert tracker.next_request() == Replay(0, 0)
+    assert seqs(tracker.on_replay(0, 0, history)) == [origin + i for i in range(len(STREAM))]
+    stream = tracker.streams[0]
+    assert stream.mirror is not None and set(stream.mirror.blocks) == {1, 3, 4}
+    c = stream.counters
+    assert (c.resyncs, c.lost, c.restarts) == (0, 0, 0) and stream.synced
 
 
 def test_tracker_without_control_lost_history_waits_for_a_reset_marker() -> None:
@@ -237,7 +305,7 @@ def test_tracker_without_control_lost_history_waits_for_a_reset_marker() -> None
     unsynced (not updated) until an AllBlocksCleared makes it exact again."""
     tracker = connected(control=False, upto=1)
     tracker.on_live(0, live(5, STREAM[5]))
-    assert seqs(tracker.on_replay(0, 2, replayed(4, 5))) == [4, 5]
+    assert seqs(tracker.on_replay(0, 1, replayed(4, 5))) == [4, 5]
     stream = tracker.streams[0]
     assert stream.counters.lost == 2 and not stream.synced
     tracker.on_live(0, live(6, [BlockRemoved([99], None), AllBlocksCleared(), stored(7)]))
@@ -318,7 +386,7 @@ def test_connect_replays_from_zero(daemon: Daemon, form: str) -> None:
         sub = subscriber(form, daemon, record)
         try:
             got = sub.catch_up()
-            assert [(b.seq, b.replayed) for b in got] == [(s, True) for s in range(snap["seq"] + 1)]
+            assert [(b.seq, b.replayed) for b in got] == [(s, True) for s in range(snap.seq + 1)]
             assert isinstance(got[0].batch.events[0], AllBlocksCleared)
             assert_mirror_is_snapshot(sub, client, [0])
             assert sub.epoch == daemon.epoch
@@ -339,7 +407,7 @@ def test_live_batches_already_replayed_are_duplicates(daemon: Daemon) -> None:
         assert before is not None
         for _ in range(5):
             store_released(client, unique_prompt(1))
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
         sub.catch_up()  # replays them while their live copies are on the way
         assert sub.last_seq(0) == last
         pump(sub, lambda: sub.counters.duplicates >= last - before, what="the live copies")
@@ -351,9 +419,10 @@ def test_live_batches_already_replayed_are_duplicates(daemon: Daemon) -> None:
 
 @pytest.mark.parametrize("form", FORMS)
 def test_connect_after_history_is_gone_resyncs(start_daemon: DaemonFactory, form: str) -> None:
-    """When the replay buffer no longer holds seq 0, the first replay starts above it: the
-    subscriber loads the snapshot instead, and follows live from there."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    """When the replay buffer no longer holds seq 0 (and replay sends no snapshot batch), the
+    first replay starts above it: the subscriber loads the snapshot instead, and follows live
+    from there."""
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     record = Record()
     with daemon.client() as client:
         for _ in range(10):
@@ -362,8 +431,33 @@ def test_connect_after_history_is_gone_resyncs(start_daemon: DaemonFactory, form
         sub = subscriber(form, daemon, record)
         try:
             assert sub.catch_up() == []
-            assert record.resyncs == [(0, client.snapshot()["seq"])]
+            assert record.resyncs == [(0, client.snapshot().seq)]
             assert sub.rank_counters(0).lost == 0
+            store_released(client, unique_prompt(2))
+            assert_mirror_is_snapshot(sub, client, [0])
+        finally:
+            sub.close()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_connect_after_history_is_gone_replays_the_snapshot_batch(
+    start_daemon: DaemonFactory, form: str
+) -> None:
+    """By default the replay itself answers with the whole state: one batch at the last seq,
+    the marker then every cached block, parents first; no control snapshot is needed."""
+    daemon = start_daemon(events={"buffer_steps": 4})
+    record = Record()
+    with daemon.client() as client:
+        for _ in range(10):
+            store_released(client, unique_prompt(2))
+            last = client.snapshot().seq
+        sub = subscriber(form, daemon, record, control=None)
+        try:
+            (batch,) = sub.catch_up()
+            assert batch.seq == last and batch.replayed
+            assert isinstance(batch.batch.events[0], AllBlocksCleared)
+            assert sub.rank_counters(0).lost == 0
+            assert_mirror_is_snapshot(sub, client, [0])
             store_released(client, unique_prompt(2))
             assert_mirror_is_snapshot(sub, client, [0])
         finally:
@@ -393,7 +487,7 @@ def test_idle_check_finds_a_tail_the_pub_dropped(start_daemon: DaemonFactory) ->
         go_live(sub, client, [0])
         for _ in range(1500):
             store_released(client, unique_prompt(8))
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
         pump(sub, lambda: sub.last_seq(0) == last, what="the tail")
         assert sub.counters.replayed > 1  # the tail came through replay
         assert sub.counters.gaps == 0  # no later live batch revealed it
@@ -409,7 +503,7 @@ async def test_async_subscriber_iterates(daemon: Daemon) -> None:
         with daemon.client() as client:
             for _ in range(20):
                 store_released(client, unique_prompt(2))
-            target.append(client.snapshot()["seq"] + 1)
+            target.append(client.snapshot().seq + 1)
             store_released(client, unique_prompt(1))  # published once the target is known
 
     seen: list[Received] = []
@@ -426,7 +520,7 @@ async def test_async_subscriber_iterates(daemon: Daemon) -> None:
         await asyncio.gather(asyncio.to_thread(load), asyncio.wait_for(follow(), timeout=20))
         with daemon.client() as client:
             snap = client.snapshot()
-        assert sub.last_seq(0) == snap["seq"] == target[0]
+        assert sub.last_seq(0) == snap.seq == target[0]
         mirror = sub.mirror(0)
         assert mirror is not None and mirror.blocks == snapshot_blocks(snap)
     assert [b.seq for b in seen] == list(range(len(seen)))
@@ -449,14 +543,15 @@ def history_beyond_the_buffer(daemon: Daemon) -> int:
     with daemon.client() as client:
         for _ in range(10):
             store_released(client, unique_prompt(2))
-            seq = client.snapshot()["seq"]
+            seq = client.snapshot().seq
     return seq
 
 
 def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFactory) -> None:
     """`subscribe --control` against a daemon whose history is gone reports the resync on
-    stderr, then prints what follows the snapshot's seq."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    stderr, then prints what follows the snapshot's seq (a daemon whose replay does not answer
+    with a snapshot batch)."""
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     last = history_beyond_the_buffer(daemon)
     proc = subprocess.Popen(
         [
@@ -497,13 +592,29 @@ def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFact
 
 def test_cli_subscribe_without_control_reports_the_loss(start_daemon: DaemonFactory) -> None:
     """Without --control the same hole is reported as lost, and the retained batches print."""
-    daemon = start_daemon(events={"buffer_steps": 4})
+    daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
     last = history_beyond_the_buffer(daemon)
     result = cli_subscribe(daemon, "--count", "4")
     assert result.returncode == 0, result.stderr
     assert f"{last + 1 - 4} batch(es) lost" in result.stderr, result.stderr
     printed = [json.loads(x)["seq"] for x in result.stdout.splitlines()]
     assert printed == list(range(last - 3, last + 1))
+
+
+def test_cli_subscribe_late_join_prints_the_whole_cache(start_daemon: DaemonFactory) -> None:
+    """Joining after the buffer wrapped, without --control: the replay's snapshot batch (seq
+    of the last batch) prints the marker and every cached block; nothing is reported lost."""
+    daemon = start_daemon(events={"buffer_steps": 4})
+    last = history_beyond_the_buffer(daemon)
+    with daemon.client() as client:
+        cached = len(snapshot_blocks(client.snapshot()))
+    result = cli_subscribe(daemon, "--count", str(1 + cached))
+    assert result.returncode == 0, result.stderr
+    assert "lost" not in result.stderr, result.stderr
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    assert {line["seq"] for line in lines} == {last}
+    assert lines[0]["type"] == "AllBlocksCleared"
+    assert all(line["type"] == "BlockStored" for line in lines[1:])
 
 
 def test_cli_subscribe_help_names_control() -> None:

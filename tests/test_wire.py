@@ -162,7 +162,7 @@ def replay_raw(endpoint: str, start: int) -> list[list[bytes]]:
 def published(daemon: Daemon) -> list[bytes]:
     """Publish everything captured (snapshot flushes first), then replay every payload from 0."""
     with daemon.client() as client:
-        last = client.snapshot()["seq"]
+        last = client.snapshot().seq
     messages = replay_raw(f"{daemon.replay_endpoint}_dp0", 0)
     seqs = [int.from_bytes(m[1], "big") for m in messages]
     assert seqs == list(range(last + 1))
@@ -245,7 +245,7 @@ def run_workload(daemon: Daemon, wire_format: str, topic: str) -> Capture:
             client.store("r5", prompt[:16], lora_id=7, lora_name="adapter-b", cache_salt="s")
             client.reset(force=True)  # r5 still open
             client.store("r6", prompt[:40])
-            last = client.snapshot()["seq"]
+            last = client.snapshot().seq
 
         deadline = time.monotonic() + TIMEOUT
         while int.from_bytes(live[-1][1], "big") < last:
@@ -431,7 +431,7 @@ def test_block_hashes_follow_the_documented_chain(
     with daemon.client() as client:
         for request, tokens, fields, matched in cases:
             reply = client.store(request, tokens, **fields)
-            assert reply["num_cached_tokens"] == matched * bs
+            assert reply.num_cached_tokens == matched * bs
     stores = stored_events("map", published(daemon))
     assert len(stores) == len(cases)
 

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, event_from_wire
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import reference_chain
@@ -36,14 +36,14 @@ BS = 16  # the test daemon's block_size
 PREFIX_BLOCKS = 10
 FAMILIES = [[f * 10_000 + i for i in range(PREFIX_BLOCKS * BS)] for f in range(3)]
 CACHE_FIELDS = (
-    "blocks_total",
+    "blocks_capacity",
     "blocks_used",
     "blocks_free",
     "blocks_cached",
     "blocks_pinned",
     "blocks_published",
     "requests_open",
-    "dropped_stores",
+    "dropped_stored_blocks",
 )
 
 BlockKey = tuple[int, int | None, tuple[int, ...], int | None]
@@ -128,22 +128,22 @@ class Workload:
     # -- operations -------------------------------------------------------------------
 
     def cache_stats(self) -> dict[str, int]:
-        rank = self.client.stats()["ranks"][0]
-        return {key: rank[key] for key in CACHE_FIELDS}
+        rank = self.client.stats().ranks[0]
+        return {key: getattr(rank, key) for key in CACHE_FIELDS}
 
     def begin(self) -> None:
         """Isolate an example: resume, force a reset and start a fresh Mirror at its marker."""
         self.client.resume()
-        markers = self.client.reset(force=True)
-        assert [m["rank"] for m in markers] == [0]
-        self.example_marker = markers[0]["seq"]
+        markers = self.client.reset(force=True).markers
+        assert [m.rank for m in markers] == [0]
+        self.example_marker = markers[0].seq
         self.markers.add(self.example_marker)
         self.open.clear()
         self.mirror = Mirror(block_size=BS)
         self.removals = 0
         self.exhausted = 0
         self.read_to(self.example_marker)
-        self.dropped_at_start = self.cache_stats()["dropped_stores"]
+        self.dropped_at_start = self.cache_stats()["dropped_stored_blocks"]
 
     def store(self, prompt: list[int], lora_id: int | None, salt: str | None) -> str | None:
         """Store a prompt under a fresh request id; None when the pool is exhausted."""
@@ -161,7 +161,7 @@ class Workload:
             assert self.cache_stats() == before, "a refused store changed the cache"
             self.exhausted += 1
             return None
-        ids, cached = reply["block_ids"], reply["num_cached_tokens"]
+        ids, cached = reply.block_ids, reply.num_cached_tokens
         hashes = reference_chain(prompt, lora_id, salt)
         assert len(ids) == need and len(set(ids)) == need
         assert all(0 <= i < self.total for i in ids)
@@ -197,7 +197,7 @@ class Workload:
         rid = sorted(self.open, key=str)[pick % len(self.open)]
         held = self.open.pop(rid)
         reply = self.client.release(rid)
-        assert reply["released"] == len(held.block_ids)
+        assert reply.released == len(held.block_ids)
 
     def flood(self, blocks: int) -> None:
         """Store and release ``blocks`` never-seen blocks: forces evictions when the pool is
@@ -206,7 +206,7 @@ class Workload:
         rid = self.store(prompt, None, None)
         if rid is not None:
             held = self.open.pop(rid)
-            assert self.client.release(rid)["released"] == len(held.block_ids)
+            assert self.client.release(rid).released == len(held.block_ids)
 
     def reset(self, force: bool) -> None:
         if self.open and not force:
@@ -216,18 +216,17 @@ class Workload:
             assert info.value.code == "busy"
             assert self.cache_stats() == before
             return
-        markers = self.client.reset(force=force)
-        self.markers.update(m["seq"] for m in markers)
+        markers = self.client.reset(force=force).markers
+        self.markers.update(m.seq for m in markers)
         self.open.clear()
 
     def check(self) -> None:
         """Mirror == snapshot, and the stats agree with the open requests and the snapshot."""
         snap = self.client.snapshot()
-        assert snap["epoch"] == self.daemon.epoch
-        self.read_to(snap["seq"])
+        assert snap.epoch == self.daemon.epoch
+        self.read_to(snap.seq)
         keys = []
-        for wire in snap["events"]:
-            e = event_from_wire(wire)
+        for e in snap.events:
             assert isinstance(e, BlockStored) and len(e.block_hashes) == 1
             keys.append((e.block_hashes[0], e.parent_block_hash, tuple(e.token_ids), e.lora_id))
         assert len(keys) == len(set(keys)), "snapshot repeats a block"
@@ -243,7 +242,7 @@ class Workload:
         assert stats["blocks_published"] == len(keys) <= stats["blocks_cached"]
         if not self.capped:
             assert stats["blocks_published"] == stats["blocks_cached"]
-            assert stats["dropped_stores"] == self.dropped_at_start
+            assert stats["dropped_stored_blocks"] == self.dropped_at_start
             assert pinned_full <= set(self.mirror.blocks), "a pinned block is not cached"
 
     def run(self, op: tuple[Any, ...]) -> None:
@@ -258,9 +257,9 @@ class Workload:
         elif kind == "reset":
             self.reset(op[1])
         elif kind == "pause":
-            assert self.client.pause()["paused"] is True
+            assert self.client.pause().paused is True
         elif kind == "resume":
-            assert self.client.resume()["paused"] is False
+            assert self.client.resume().paused is False
         elif kind == "check":
             self.check()
         else:  # pragma: no cover
@@ -376,4 +375,4 @@ def test_random_workload_with_capture_cap(capped_workload: Workload, ops: list[A
         w.run(op)
     w.fill_and_evict()
     w.check()
-    assert w.cache_stats()["dropped_stores"] - w.dropped_at_start >= 2
+    assert w.cache_stats()["dropped_stored_blocks"] - w.dropped_at_start >= 2

@@ -1,6 +1,7 @@
 """The client library: everything a process beside the daemon or a router needs.
 
-- ``ControlClient`` / ``AsyncControlClient``: the control socket (store, release, reset, ...);
+- ``ControlClient`` / ``AsyncControlClient``: the control socket (store, release, reset, ...),
+  answering with the typed replies of ``kvpubd.client.replies``;
 - ``Subscriber`` / ``AsyncSubscriber``: follow the event stream, repairing gaps by replay;
 - ``Mirror``: the cache as a router sees it, rebuilt from published events alone;
 - ``map_pool``: map the daemon's block pool into this process.
@@ -8,9 +9,24 @@
 The client never imports the daemon: it speaks the protocol (``kvpubd.protocol``) only.
 """
 
-from kvpubd.client.control import AsyncControlClient, ControlClient, ControlError, ControlTimeout
+from kvpubd.client.control import AsyncControlClient, ControlClient, ControlTimeout
 from kvpubd.client.mirror import Mirror, MirrorError
 from kvpubd.client.pool import MappedPool, map_pool
+from kvpubd.client.replies import (
+    ChecksumReply,
+    ControlError,
+    Marker,
+    PauseReply,
+    PingReply,
+    PoolInfo,
+    RankEndpoints,
+    RankStats,
+    ReleaseReply,
+    ResetReply,
+    SnapshotReply,
+    StatsReply,
+    StoreReply,
+)
 from kvpubd.client.subscriber import (
     AsyncSubscriber,
     Counters,
@@ -24,14 +40,26 @@ from kvpubd.client.tracker import Received
 __all__ = [
     "AsyncControlClient",
     "AsyncSubscriber",
+    "ChecksumReply",
     "ControlClient",
     "ControlError",
     "ControlTimeout",
     "Counters",
     "MappedPool",
+    "Marker",
     "Mirror",
     "MirrorError",
+    "PauseReply",
+    "PingReply",
+    "PoolInfo",
+    "RankEndpoints",
+    "RankStats",
     "Received",
+    "ReleaseReply",
+    "ResetReply",
+    "SnapshotReply",
+    "StatsReply",
+    "StoreReply",
     "Subscriber",
     "SubscriberError",
     "SubscriberTimeout",

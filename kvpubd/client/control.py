@@ -1,121 +1,167 @@
 """Control clients of a running daemon: ``ControlClient`` (blocking) and
-``AsyncControlClient`` (asyncio), over a DEALER socket."""
+``AsyncControlClient`` (asyncio), over a DEALER socket. Every op returns a typed reply
+(``kvpubd.client.replies``); a refusal raises ``ControlError``, silence ``ControlTimeout``."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import msgpack
-import numpy as np
 import zmq
 import zmq.asyncio
 
-from kvpubd.protocol.config import default_control_endpoint
+from kvpubd.client import replies as ops
+from kvpubd.client.replies import Call, ControlError, ReplyMap
+from kvpubd.protocol.endpoints import (
+    check_endpoint,
+    default_control_endpoint,
+    missing_ipc_socket,
+)
 
+__all__ = ["AsyncControlClient", "ControlClient", "ControlError", "ControlTimeout"]
 
-class ControlError(Exception):
-    """The daemon refused a request; ``code`` is its error code."""
+T = TypeVar("T")
+P = ParamSpec("P")
+ContextT = TypeVar("ContextT", zmq.Context[zmq.Socket[bytes]], zmq.asyncio.Context)
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+Curve = tuple[Path, Path]  # (this client's secret certificate, the daemon's public one)
 
 
 class ControlTimeout(TimeoutError):
-    """No reply within the timeout: the daemon is not running or not reachable there."""
+    """No reply within the timeout: the daemon is not running or not reachable there (or it
+    has CURVE on and refused this client's handshake)."""
 
 
-def _encode_request(op: str, request_id: int, fields: dict[str, Any]) -> bytes:
-    return msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)
+def check_timeout(timeout: float, what: str = "timeout") -> float:
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"{what}: {timeout} is not a positive number of seconds")
+    return timeout
 
 
-def _checked(reply: dict[str, Any]) -> dict[str, Any]:
-    if not reply.get("ok"):
-        error = reply.get("error") or {}
-        raise ControlError(str(error.get("code")), str(error.get("message")))
-    return reply
+class _Client(Generic[ContextT]):
+    """What both forms share: the endpoint, the DEALER, request ids and reply matching.
+    Replies are matched by id, so a late reply to a timed-out request never answers the next
+    one."""
 
-
-def _dealer(context: zmq.Context, endpoint: str, curve: tuple[Path, Path] | None) -> zmq.Socket:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve is not None:
-        from kvpubd.protocol.auth import apply_curve_client
-
-        apply_curve_client(sock, *curve)
-    sock.connect(endpoint)
-    return sock
-
-
-class _Ops:
-    """The control ops, on top of a ``call`` that is a plain or an async function."""
-
-    def call(self, op: str, **fields: Any) -> Any:
-        raise NotImplementedError
-
-    def _call_for(self, key: str, op: str, **fields: Any) -> Any:
-        raise NotImplementedError
-
-    def ping(self) -> Any:
-        return self.call("ping")
-
-    def stats(self) -> Any:
-        return self.call("stats")
-
-    def store(self, request_id: str | int, token_ids: list[int] | np.ndarray, **fields: Any) -> Any:
-        """Store a prompt; a NumPy array travels as packed uint32 bytes (the fast form)."""
-        if isinstance(token_ids, np.ndarray):
-            token_ids = token_ids.astype("<u4").tobytes()
-        return self.call("store", request_id=request_id, token_ids=token_ids, **fields)
-
-    def release(self, request_id: str | int) -> Any:
-        return self.call("release", request_id=request_id)
-
-    def reset(self, rank: int | None = None, force: bool = False) -> Any:
-        """The markers: ``[{"rank": r, "seq": s}, ...]``."""
-        fields: dict[str, Any] = {"force": force}
-        if rank is not None:
-            fields["rank"] = rank
-        return self._call_for("markers", "reset", **fields)
-
-    def pause(self) -> Any:
-        return self.call("pause")
-
-    def resume(self) -> Any:
-        return self.call("resume")
-
-    def snapshot(self, rank: int = 0) -> Any:
-        return self.call("snapshot", rank=rank)
-
-    def pool_info(self, rank: int = 0) -> Any:
-        return self.call("pool_info", rank=rank)
-
-    def checksum(self, block_ids: list[int], rank: int = 0) -> Any:
-        return self._call_for("checksums", "checksum", rank=rank, block_ids=block_ids)
-
-
-class ControlClient(_Ops):
-    """Synchronous control client over a DEALER socket. Replies are matched by id, so a late
-    reply to a timed-out request never answers the next one. ``curve``: (this client's secret
-    certificate, the daemon's public certificate) for a daemon with CURVE on."""
+    _context_class: type[ContextT]
+    _sock: Any  # each form names its socket type
 
     def __init__(
         self,
         endpoint: str | None = None,
         timeout: float = 5.0,
-        context: zmq.Context | None = None,
-        curve: tuple[Path, Path] | None = None,
+        context: ContextT | None = None,
+        curve: Curve | None = None,
     ) -> None:
-        self.endpoint = endpoint or default_control_endpoint()
-        self.timeout = timeout
+        self.endpoint = check_endpoint(endpoint or default_control_endpoint())
+        self.timeout = check_timeout(timeout)
+        self.curve = curve
         self._own_context = context is None
-        self._context = context or zmq.Context()
-        self._sock = _dealer(self._context, self.endpoint, curve)
+        self._context: ContextT = context if context is not None else self._context_class()
+        sock = self._sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                from kvpubd.protocol.auth import apply_curve_client
+
+                apply_curve_client(sock, *curve)
+            sock.connect(self.endpoint)
+        except BaseException:
+            sock.close()
+            self._term()
+            raise
         self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        self._sock.close()
+        self._term()
+
+    def _term(self) -> None:
+        if self._own_context:
+            self._context.term()
+
+    def _frame(self, op: str, fields: dict[str, object]) -> tuple[int, list[bytes]]:
+        path = missing_ipc_socket(self.endpoint)
+        if path is not None:
+            raise ControlTimeout(f"no control socket at {path}")
+        request_id = next(self._ids)
+        body = msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)
+        return request_id, [b"", body]
+
+    def _cannot_send(self) -> ControlTimeout:
+        return ControlTimeout(f"cannot send to {self.endpoint}")
+
+    def _no_reply(self) -> ControlTimeout:
+        return ControlTimeout(f"no reply from {self.endpoint}")
+
+    @staticmethod
+    def _answer(frames: list[bytes], request_id: int) -> ReplyMap | None:
+        """The reply map if ``frames`` answer ``request_id`` (None: another request's reply);
+        ControlError when the daemon refused it."""
+        try:
+            reply = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+        except (ValueError, msgpack.ExtraData):
+            return None
+        if not isinstance(reply, dict) or reply.get("id") != request_id:
+            return None
+        if not reply.get("ok"):
+            error = reply.get("error")
+            error = error if isinstance(error, dict) else {}
+            raise ControlError(str(error.get("code")), str(error.get("message")))
+        return reply
+
+
+M = TypeVar("M", bound=Callable[..., object])
+
+
+def _like(method: M, op: Callable[..., object]) -> M:
+    """Give ``method`` the op's name, docstring and parameters (for help() and editors), with
+    the reply type as what it returns."""
+    functools.update_wrapper(method, op)
+    signature = inspect.signature(op)
+    returns = str(signature.return_annotation).removeprefix("Call[").removesuffix("]")
+    self = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    parameters = [self, *signature.parameters.values()]
+    described = signature.replace(parameters=parameters, return_annotation=returns)
+    method.__signature__ = described  # type: ignore[attr-defined]
+    return method
+
+
+def _blocking(
+    op: Callable[P, Call[T]],
+) -> Callable[Concatenate[ControlClient, P], T]:
+    """The op as a ControlClient method: same parameters, the typed reply."""
+
+    def method(self: ControlClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(op(*args, **kwargs))
+
+    return _like(method, op)
+
+
+def _awaited(
+    op: Callable[P, Call[T]],
+) -> Callable[Concatenate[AsyncControlClient, P], Coroutine[Any, Any, T]]:
+    """The op as an AsyncControlClient coroutine method."""
+
+    async def method(self: AsyncControlClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(op(*args, **kwargs))
+
+    return _like(method, op)
+
+
+class ControlClient(_Client[zmq.Context[zmq.Socket[bytes]]]):
+    """Blocking control client. ``endpoint`` defaults to the daemon's default ipc socket;
+    ``curve``: (this client's secret certificate, the daemon's public certificate) for a
+    daemon with CURVE on. A bad endpoint or timeout raises ValueError at once."""
+
+    _context_class = zmq.Context
+    _sock: zmq.Socket[bytes]
 
     def __enter__(self) -> ControlClient:
         return self
@@ -123,55 +169,54 @@ class ControlClient(_Ops):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        self._sock.close()
-        if self._own_context:
-            self._context.term()
+    ping = _blocking(ops.ping)
+    stats = _blocking(ops.stats)
+    store = _blocking(ops.store)
+    release = _blocking(ops.release)
+    reset = _blocking(ops.reset)
+    pause = _blocking(ops.pause)
+    resume = _blocking(ops.resume)
+    snapshot = _blocking(ops.snapshot)
+    pool_info = _blocking(ops.pool_info)
+    checksum = _blocking(ops.checksum)
 
-    def send_raw(self, frames: list[bytes]) -> None:
-        """Send frames as they are (after the delimiter), for protocol tests."""
+    def _run(self, call: Call[T]) -> T:
+        return call.parse(self._call(call.op, **call.fields))
+
+    def _call(self, op: str, **fields: object) -> ReplyMap:
+        """Send one request as given; the reply map, or ControlError / ControlTimeout."""
+        request_id, frames = self._frame(op, fields)
+        self._send_raw(frames[1:])
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000)):
+                raise self._no_reply()
+            reply = self._answer(self._sock.recv_multipart(), request_id)
+            if reply is not None:
+                return reply
+
+    def _send_raw(self, frames: list[bytes]) -> None:
+        """Send frames as they are, after the empty delimiter (protocol tests use it)."""
         # With no usable connection (nothing listening, or a refused CURVE handshake) a DEALER
         # holds the message back; don't wait longer than for a reply.
         if not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
-            raise ControlTimeout(f"cannot send to {self.endpoint}")
+            raise self._cannot_send()
         self._sock.send_multipart([b"", *frames], zmq.NOBLOCK)
 
-    def recv_raw(self, timeout: float | None = None) -> dict[str, Any]:
+    def _recv_raw(self, timeout: float | None = None) -> object:
+        """The next reply as msgpack decodes it, whatever it answers (protocol tests)."""
         if not self._sock.poll(int((self.timeout if timeout is None else timeout) * 1000)):
-            raise ControlTimeout(f"no reply from {self.endpoint}")
-        frames = self._sock.recv_multipart()
-        return msgpack.unpackb(frames[-1], raw=False)
-
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request; return the reply map, or raise ControlError / ControlTimeout."""
-        request_id = next(self._ids)
-        self.send_raw([_encode_request(op, request_id, fields)])
-        deadline = time.monotonic() + self.timeout
-        while True:
-            reply = self.recv_raw(max(0.0, deadline - time.monotonic()))
-            if isinstance(reply, dict) and reply.get("id") == request_id:
-                return _checked(reply)
-
-    def _call_for(self, key: str, op: str, **fields: Any) -> Any:
-        return self.call(op, **fields)[key]
+            raise self._no_reply()
+        return msgpack.unpackb(self._sock.recv_multipart()[-1], raw=False)
 
 
-class AsyncControlClient(_Ops):
-    """The asyncio form of ControlClient: ``await client.store(...)``."""
+class AsyncControlClient(_Client[zmq.asyncio.Context]):
+    """The asyncio form of ControlClient, with the same arguments and replies:
+    ``await client.store(...)``."""
 
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        timeout: float = 5.0,
-        context: zmq.asyncio.Context | None = None,
-        curve: tuple[Path, Path] | None = None,
-    ) -> None:
-        self.endpoint = endpoint or default_control_endpoint()
-        self.timeout = timeout
-        self._own_context = context is None
-        self._context = context or zmq.asyncio.Context()
-        self._sock = _dealer(self._context, self.endpoint, curve)
-        self._ids = itertools.count(1)
+    _context_class = zmq.asyncio.Context
+    _sock: zmq.asyncio.Socket
 
     async def __aenter__(self) -> AsyncControlClient:
         return self
@@ -179,25 +224,32 @@ class AsyncControlClient(_Ops):
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        self._sock.close()
-        if self._own_context:
-            self._context.term()
+    ping = _awaited(ops.ping)
+    stats = _awaited(ops.stats)
+    store = _awaited(ops.store)
+    release = _awaited(ops.release)
+    reset = _awaited(ops.reset)
+    pause = _awaited(ops.pause)
+    resume = _awaited(ops.resume)
+    snapshot = _awaited(ops.snapshot)
+    pool_info = _awaited(ops.pool_info)
+    checksum = _awaited(ops.checksum)
 
-    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        request_id = next(self._ids)
+    async def _run(self, call: Call[T]) -> T:
+        return call.parse(await self._call(call.op, **call.fields))
+
+    async def _call(self, op: str, **fields: object) -> ReplyMap:
+        request_id, frames = self._frame(op, fields)
         deadline = time.monotonic() + self.timeout
-        if not await self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
-            raise ControlTimeout(f"cannot send to {self.endpoint}")
-        await self._sock.send_multipart([b"", _encode_request(op, request_id, fields)])
+        # pyzmq's stub of the asyncio poll() lacks its flags argument.
+        writable = self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT)  # type: ignore[call-arg]
+        if not await writable:
+            raise self._cannot_send()
+        await self._sock.send_multipart(frames)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not await self._sock.poll(int(left * 1000)):
-                raise ControlTimeout(f"no reply from {self.endpoint}")
-            frames = await self._sock.recv_multipart()
-            reply = msgpack.unpackb(frames[-1], raw=False)
-            if isinstance(reply, dict) and reply.get("id") == request_id:
-                return _checked(reply)
-
-    async def _call_for(self, key: str, op: str, **fields: Any) -> Any:
-        return (await self.call(op, **fields))[key]
+                raise self._no_reply()
+            reply = self._answer(await self._sock.recv_multipart(), request_id)
+            if reply is not None:
+                return reply

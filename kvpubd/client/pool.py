@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from kvpubd.client.control import ControlClient
+from kvpubd.client.replies import PoolInfo
 
 
 class MappedPool:
@@ -14,33 +15,34 @@ class MappedPool:
     block_bytes]`` uint8, a NumPy array over shared memory or a CuPy array over a CUDA IPC
     mapping. Close it before the daemon stops."""
 
-    def __init__(self, info: dict[str, Any]) -> None:
-        shape = tuple(info["shape"])
+    def __init__(self, info: PoolInfo) -> None:
+        shape = info.shape
         self.info = info
         self._shm: Any = None
         self._ipc_ptr: int | None = None
-        if info["kind"] == "shm":
+        self.array: Any  # numpy.ndarray or cupy.ndarray (None once closed)
+        if info.kind == "shm" and info.name is not None:
             from multiprocessing import resource_tracker, shared_memory
 
-            self._shm = shared_memory.SharedMemory(name=info["name"])
+            self._shm = shared_memory.SharedMemory(name=info.name)
             # Before Python 3.13 attaching registers the segment with this process's resource
             # tracker, which would unlink the daemon's segment when we exit.
             resource_tracker.unregister(self._shm._name, "shared_memory")
-            self.array: Any = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
-        elif info["kind"] == "cuda_ipc":
+            self.array = np.ndarray(shape, dtype=np.uint8, buffer=self._shm.buf)
+        elif info.kind == "cuda_ipc" and info.handle is not None and info.device is not None:
             import cupy
 
-            self._device = int(info["device"])
+            self._device = info.device
             with cupy.cuda.Device(self._device):
                 self._ipc_ptr = cupy.cuda.runtime.ipcOpenMemHandle(
-                    info["handle"], cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
+                    info.handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
                 )
                 size = shape[0] * shape[1]
-                memory = cupy.cuda.UnownedMemory(self._ipc_ptr + info.get("offset", 0), size, self)
+                memory = cupy.cuda.UnownedMemory(self._ipc_ptr + info.offset, size, self)
                 pointer = cupy.cuda.MemoryPointer(memory, 0)
                 self.array = cupy.ndarray(shape, dtype=cupy.uint8, memptr=pointer)
         else:
-            raise ValueError(f"unknown pool kind {info['kind']!r}")
+            raise ValueError(f"cannot map a pool of kind {info.kind!r} described as {info}")
 
     def __enter__(self) -> MappedPool:
         return self

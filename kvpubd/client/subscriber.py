@@ -16,8 +16,8 @@ call, so a caller that waits out a daemon restart just calls again."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -36,7 +36,7 @@ from kvpubd.client.tracker import (
     StreamTracker,
     SubscriberError,
 )
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import check_endpoint, rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, pack_seq, unpack_seq
 
 __all__ = [
@@ -50,6 +50,10 @@ __all__ = [
 
 # Live messages read per rank per receive() call before the other ranks get a turn.
 BURST = 1000
+
+SyncContext = zmq.Context[zmq.Socket[bytes]]
+ContextT = TypeVar("ContextT", SyncContext, zmq.asyncio.Context)
+ControlT = TypeVar("ControlT", ControlClient, AsyncControlClient)
 
 
 class SubscriberTimeout(TimeoutError):
@@ -67,43 +71,86 @@ def parse_replay_message(frames: list[bytes]) -> tuple[int, bytes] | None:
     return unpack_seq(seq_frame), payload
 
 
+class ReplayReader:
+    """Collects one replay's answer, message by message: ``add(frames)`` until it returns
+    True (the end marker came); ``batches`` are then (seq, payload) in the order received.
+    Batches published under a topic that ``topic`` does not prefix are left out, as a SUB
+    socket would leave them out (legacy framing carries no topic: all are kept)."""
+
+    def __init__(self, topic: bytes = b"") -> None:
+        self.topic = topic
+        self.batches: list[tuple[int, bytes]] = []
+
+    def add(self, frames: list[bytes]) -> bool:
+        try:
+            item = parse_replay_message(frames)
+        except ValueError:
+            return False  # unusable: the hole it leaves is repaired like any other
+        if item is None:
+            return True
+        if len(frames) == 4 and not frames[1].startswith(self.topic):
+            return False
+        self.batches.append(item)
+        return False
+
+
+def _replay_request(start_seq: int) -> list[bytes]:
+    return [b"", pack_seq(start_seq)]
+
+
+def _read_replay(
+    sock: zmq.Socket[bytes], start_seq: int, timeout: float, topic: bytes
+) -> list[tuple[int, bytes]] | None:
+    """Ask ``sock`` (a connected DEALER) for every batch from ``start_seq``; None when the
+    answer did not finish within ``timeout`` seconds of silence."""
+    sock.send_multipart(_replay_request(start_seq))
+    reader = ReplayReader(topic)
+    while True:
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        if reader.add(sock.recv_multipart()):
+            return reader.batches
+
+
 def replay(
-    endpoint: str, start_seq: int, *, timeout: float = 5.0, context: zmq.Context | None = None
+    endpoint: str,
+    start_seq: int,
+    *,
+    timeout: float = 5.0,
+    topic: str = "",
+    context: SyncContext | None = None,
 ) -> list[tuple[int, bytes]]:
-    """Ask a replay socket for every retained batch from ``start_seq``: [(seq, payload)]."""
+    """Ask a replay socket for every retained batch from ``start_seq``: [(seq, payload)].
+    Raises SubscriberTimeout when the answer does not finish in time."""
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
-        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        batches: list[tuple[int, bytes]] = []
-        while True:
-            if not sock.poll(int(timeout * 1000)):
-                raise TimeoutError(f"replay from {endpoint} did not finish")
-            frames = sock.recv_multipart()
-            # [b"", topic, seq, payload] (v026) or [b"", seq, payload] (legacy)
-            seq_frame, payload = frames[-2], frames[-1]
-            if seq_frame == END_SEQ:
-                return batches
-            batches.append((unpack_seq(seq_frame), payload))
+        sock.connect(check_endpoint(endpoint))
+        batches = _read_replay(sock, start_seq, timeout, topic.encode())
     finally:
         sock.close()
+    if batches is None:
+        raise SubscriberTimeout(f"replay from {endpoint} did not finish")
+    return batches
 
 
-class _Base:
-    """What both forms share: arguments, the tracker, and the read-only views."""
+class _Base(Generic[ContextT, ControlT]):
+    """What both forms share: arguments, sockets, the tracker and the read-only views; the
+    forms add only the waiting (blocking or awaited) around the same steps."""
 
-    # The forms differ in these two: plain or asyncio ZeroMQ, sync or async control client.
-    _context_class: Any = zmq.Context
-    _control_class: Any = ControlClient
+    # The forms differ in these: plain or asyncio ZeroMQ, sync or async control client.
+    _context_class: type[ContextT]
+
+    def _new_control(self, endpoint: str, timeout: float) -> ControlT:
+        raise NotImplementedError
 
     def __init__(
         self,
         endpoint: str,
         replay_endpoint: str | None = None,
         *,
-        control: Any = None,
+        control: str | ControlT | None = None,
         ranks: int | Sequence[int] = 1,
         topic: str = "",
         replay_timeout: float = 5.0,
@@ -115,7 +162,7 @@ class _Base:
         on_gap: Callable[[int, int, int], None] | None = None,
         on_resync: Callable[[int, int], None] | None = None,
         on_restart: Callable[[int, str], None] | None = None,
-        context: Any = None,
+        context: ContextT | None = None,
     ) -> None:
         if not replay_timeout > 0:
             raise ValueError(
@@ -123,6 +170,9 @@ class _Base:
             )
         if idle_check is not None and not idle_check > 0:
             raise ValueError(f"idle_check: {idle_check} is not a positive number of seconds")
+        check_endpoint(endpoint)
+        if replay_endpoint:
+            check_endpoint(replay_endpoint)
         rank_list = list(range(ranks)) if isinstance(ranks, int) else list(ranks)
         self.ranks = rank_list
         self.topic = topic.encode()
@@ -145,18 +195,13 @@ class _Base:
         self._ready: list[Received] = []
         self._closed = False
         self._own_context = context is None
-        self._context = context or self._context_class()
+        self._context: ContextT = context if context is not None else self._context_class()
         self._own_control = isinstance(control, str)
-        self._control = (
-            self._control_class(control, control_timeout, self._context)
-            if isinstance(control, str)
-            else control
+        self._control: ControlT | None = (
+            self._new_control(control, control_timeout) if isinstance(control, str) else control
         )
-        self._subs = {rank: self._open_sub(rank) for rank in self.ranks}
+        self._subs = {rank: self._open(zmq.SUB, rank) for rank in self.ranks}
         self._dealers: dict[int, Any] = {}
-
-    def _open_sub(self, rank: int) -> Any:
-        raise NotImplementedError
 
     def close(self) -> None:
         if self._closed:
@@ -198,31 +243,84 @@ class _Base:
     def epoch(self) -> int | None:
         return self.tracker.epoch
 
-    def _configure_sub(self, sock: zmq.Socket, rank: int) -> None:
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.rcvhwm is not None:
-            sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        sock.setsockopt(zmq.SUBSCRIBE, self.topic)
-        sock.connect(self._endpoints[rank])
+    # -- the steps both forms take -------------------------------------------------------
 
-    def _configure_dealer(self, sock: zmq.Socket, rank: int) -> None:
+    def _open(self, kind: int, rank: int) -> Any:
+        """A SUB socket for the rank's events, or a DEALER for its replay."""
+        sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay must fit
-        sock.connect(self._replay_endpoints[rank])
+        if kind == zmq.SUB:
+            if self.rcvhwm is not None:
+                sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+            sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+            sock.connect(self._endpoints[rank])
+        else:
+            sock.setsockopt(zmq.RCVHWM, 0)  # a whole replay must fit
+            sock.connect(self._replay_endpoints[rank])
+        return sock
+
+    def _dealer(self, rank: int) -> Any:
+        sock = self._dealers.get(rank)
+        if sock is None:
+            sock = self._dealers[rank] = self._open(zmq.DEALER, rank)
+        return sock
+
+    def _replay_failed(self, rank: int) -> SubscriberTimeout:
+        # A fresh socket next time, so a late answer is never taken for the next one.
+        self._dealers.pop(rank).close()
+        return SubscriberTimeout(f"replay from {self._replay_endpoints[rank]} did not finish")
+
+    def _replayed(self, request: Replay, batches: list[tuple[int, bytes]]) -> list[Received]:
+        self._heard[request.rank] = time.monotonic()
+        return self.tracker.on_replay(request.rank, request.start, batches)
+
+    def _reconnect(self, request: Reconnect) -> list[Received]:
+        self._subs[request.rank].close()
+        self._subs[request.rank] = self._open(zmq.SUB, request.rank)
+        self.tracker.on_reconnected(request.rank)
+        return []
+
+    def _controlled(self, request: Ping | Snapshot, reply: Mapping[str, Any]) -> list[Received]:
+        if isinstance(request, Ping):
+            self.tracker.on_ping(reply)
+            return []
+        return self.tracker.on_snapshot(request.rank, reply)
+
+    @staticmethod
+    def _control_request(request: Ping | Snapshot) -> tuple[str, dict[str, object]]:
+        return ("ping", {}) if isinstance(request, Ping) else ("snapshot", {"rank": request.rank})
+
+    def _heard_from(self, ready: Mapping[Any, int]) -> list[int]:
+        """The ranks whose SUB socket has messages, noted as heard from now."""
+        ranks = [rank for rank in self.ranks if self._subs[rank] in ready]
+        for rank in ranks:
+            self._heard[rank] = time.monotonic()
+        return ranks
+
+    def _poller(self) -> Any:
+        poller = zmq.Poller() if self._context_class is zmq.Context else zmq.asyncio.Poller()
+        for sock in self._subs.values():
+            poller.register(sock, zmq.POLLIN)
+        return poller
+
+    def _wait_ms(self, timeout: float) -> int:
+        return 0 if self._ready else int(timeout * 1000)
 
     def _idle_ranks(self) -> list[int]:
         """Ranks silent for ``idle_check`` seconds: replaying from their last seq finds a tail
-        that the PUB dropped (nothing later would reveal that gap)."""
+        that the PUB dropped (nothing later would reveal that gap). Asks the tracker for it."""
         if self.idle_check is None or not self._replay_endpoints:
             return []
         now = time.monotonic()
         idle = [r for r, t in self._heard.items() if now - t >= self.idle_check]
         for rank in idle:
             self._heard[rank] = now
+        if idle:
+            self.tracker.catch_up(idle)
         return idle
 
 
-class Subscriber(_Base):
+class Subscriber(_Base[SyncContext, ControlClient]):
     """Keeps a mirror of ``ranks`` (a count, or a list of rank numbers) of one daemon.
 
     ``receive(timeout)`` returns the batches applied meanwhile, in seq order per rank;
@@ -231,6 +329,11 @@ class Subscriber(_Base):
     ``on_*`` callbacks report it as it happens. ``rcvhwm`` sets the SUB sockets' receive
     high-water mark; ``idle_check`` (seconds) replays a rank that has been silent that long.
     ``control`` (an endpoint or a ControlClient) enables the epoch check and snapshot resync."""
+
+    _context_class = zmq.Context
+
+    def _new_control(self, endpoint: str, timeout: float) -> ControlClient:
+        return ControlClient(endpoint, timeout, self._context)
 
     def __enter__(self) -> Subscriber:
         return self
@@ -247,25 +350,16 @@ class Subscriber(_Base):
     def receive(self, timeout: float) -> list[Received]:
         """Batches applied within ``timeout`` seconds (less if some are ready at once)."""
         self._service()
-        poller = zmq.Poller()
-        for sock in self._subs.values():
-            poller.register(sock, zmq.POLLIN)
-        ready = dict(poller.poll(0 if self._ready else int(timeout * 1000)))
-        tracker = self.tracker
-        for rank in self.ranks:
-            if self._subs[rank] not in ready:
-                continue
-            self._heard[rank] = time.monotonic()
+        ready = dict(self._poller().poll(self._wait_ms(timeout)))
+        for rank in self._heard_from(ready):
             for _ in range(BURST):
                 try:
                     frames = self._subs[rank].recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._ready.extend(tracker.on_live(rank, frames))
+                self._ready.extend(self.tracker.on_live(rank, frames))
                 self._service()
-        idle = self._idle_ranks()
-        if idle:
-            tracker.catch_up(idle)
+        if self._idle_ranks():
             self._service()
         return self._take()
 
@@ -274,70 +368,39 @@ class Subscriber(_Base):
         while True:
             yield from self.receive(0.1)
 
-    # -- carrying out the tracker's requests ---------------------------------------------
-
     def _service(self) -> None:
         """Carry out what the tracker asks until it asks for nothing more."""
-        tracker = self.tracker
-        while (request := tracker.next_request()) is not None:
+        while (request := self.tracker.next_request()) is not None:
             try:
                 self._ready.extend(self._perform(request))
             except TimeoutError:
-                tracker.on_timeout()
+                self.tracker.on_timeout()
                 raise
 
     def _perform(self, request: Request) -> list[Received]:
-        tracker = self.tracker
         if isinstance(request, Replay):
-            batches = self._replay(request.rank, request.start)
-            self._heard[request.rank] = time.monotonic()
-            return tracker.on_replay(request.rank, request.start, batches)
+            batches = _read_replay(
+                self._dealer(request.rank), request.start, self.replay_timeout, self.topic
+            )
+            if batches is None:
+                raise self._replay_failed(request.rank)
+            return self._replayed(request, batches)
         if isinstance(request, Reconnect):
-            self._subs[request.rank].close()
-            self._subs[request.rank] = self._open_sub(request.rank)
-            tracker.on_reconnected(request.rank)
-            return []
+            return self._reconnect(request)
         assert self._control is not None
-        if isinstance(request, Ping):
-            tracker.on_ping(self._control.call("ping"))
-            return []
-        assert isinstance(request, Snapshot)
-        return tracker.on_snapshot(request.rank, self._control.call("snapshot", rank=request.rank))
-
-    def _open_sub(self, rank: int) -> zmq.Socket:
-        sock = self._context.socket(zmq.SUB)
-        self._configure_sub(sock, rank)
-        return sock
-
-    def _replay(self, rank: int, start: int) -> list[tuple[int, bytes]]:
-        sock = self._dealers.get(rank)
-        if sock is None:
-            sock = self._dealers[rank] = self._context.socket(zmq.DEALER)
-            self._configure_dealer(sock, rank)
-        sock.send_multipart([b"", pack_seq(start)])
-        batches: list[tuple[int, bytes]] = []
-        while True:
-            if not sock.poll(int(self.replay_timeout * 1000)):
-                # A fresh socket next time, so a late answer is never taken for the next one.
-                self._dealers.pop(rank).close()
-                endpoint = self._replay_endpoints[rank]
-                raise SubscriberTimeout(f"replay from {endpoint} did not finish")
-            try:
-                item = parse_replay_message(sock.recv_multipart())
-            except ValueError:
-                continue  # unusable: the hole it leaves is repaired like any other
-            if item is None:
-                return batches
-            batches.append(item)
+        op, fields = self._control_request(request)
+        return self._controlled(request, self._control._call(op, **fields))
 
 
-class AsyncSubscriber(_Base):
+class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
     """``Subscriber`` for asyncio: the same arguments and views; ``catch_up`` and ``receive``
     are coroutines and ``async for`` yields batches forever. ``control`` is an endpoint or an
-    object with a coroutine ``call(op, **fields)`` (like ``AsyncControlClient``)."""
+    ``AsyncControlClient``."""
 
     _context_class = zmq.asyncio.Context
-    _control_class = AsyncControlClient
+
+    def _new_control(self, endpoint: str, timeout: float) -> AsyncControlClient:
+        return AsyncControlClient(endpoint, timeout, self._context)
 
     async def __aenter__(self) -> AsyncSubscriber:
         return self
@@ -352,25 +415,16 @@ class AsyncSubscriber(_Base):
 
     async def receive(self, timeout: float) -> list[Received]:
         await self._service()
-        poller = zmq.asyncio.Poller()
-        for sock in self._subs.values():
-            poller.register(sock, zmq.POLLIN)
-        ready = dict(await poller.poll(0 if self._ready else int(timeout * 1000)))
-        tracker = self.tracker
-        for rank in self.ranks:
-            if self._subs[rank] not in ready:
-                continue
-            self._heard[rank] = time.monotonic()
+        ready = dict(await self._poller().poll(self._wait_ms(timeout)))
+        for rank in self._heard_from(ready):
             for _ in range(BURST):
                 try:
                     frames = await self._subs[rank].recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._ready.extend(tracker.on_live(rank, frames))
+                self._ready.extend(self.tracker.on_live(rank, frames))
                 await self._service()
-        idle = self._idle_ranks()
-        if idle:
-            tracker.catch_up(idle)
+        if self._idle_ranks():
             await self._service()
         return self._take()
 
@@ -382,54 +436,32 @@ class AsyncSubscriber(_Base):
                 yield received
 
     async def _service(self) -> None:
-        tracker = self.tracker
-        while (request := tracker.next_request()) is not None:
+        while (request := self.tracker.next_request()) is not None:
             try:
                 self._ready.extend(await self._perform(request))
             except TimeoutError:
-                tracker.on_timeout()
+                self.tracker.on_timeout()
                 raise
 
     async def _perform(self, request: Request) -> list[Received]:
-        tracker = self.tracker
         if isinstance(request, Replay):
-            batches = await self._replay(request.rank, request.start)
-            self._heard[request.rank] = time.monotonic()
-            return tracker.on_replay(request.rank, request.start, batches)
+            batches = await self._read_replay(request.rank, request.start)
+            if batches is None:
+                raise self._replay_failed(request.rank)
+            return self._replayed(request, batches)
         if isinstance(request, Reconnect):
-            self._subs[request.rank].close()
-            self._subs[request.rank] = self._open_sub(request.rank)
-            tracker.on_reconnected(request.rank)
-            return []
+            return self._reconnect(request)
         assert self._control is not None
-        if isinstance(request, Ping):
-            tracker.on_ping(await self._control.call("ping"))
-            return []
-        assert isinstance(request, Snapshot)
-        reply = await self._control.call("snapshot", rank=request.rank)
-        return tracker.on_snapshot(request.rank, reply)
+        op, fields = self._control_request(request)
+        return self._controlled(request, await self._control._call(op, **fields))
 
-    def _open_sub(self, rank: int) -> zmq.asyncio.Socket:
-        sock = self._context.socket(zmq.SUB)
-        self._configure_sub(sock, rank)
-        return sock
-
-    async def _replay(self, rank: int, start: int) -> list[tuple[int, bytes]]:
-        sock = self._dealers.get(rank)
-        if sock is None:
-            sock = self._dealers[rank] = self._context.socket(zmq.DEALER)
-            self._configure_dealer(sock, rank)
-        await sock.send_multipart([b"", pack_seq(start)])
-        batches: list[tuple[int, bytes]] = []
+    async def _read_replay(self, rank: int, start: int) -> list[tuple[int, bytes]] | None:
+        """``_read_replay`` awaited: the same request and the same reader."""
+        sock = self._dealer(rank)
+        await sock.send_multipart(_replay_request(start))
+        reader = ReplayReader(self.topic)
         while True:
             if not await sock.poll(int(self.replay_timeout * 1000)):
-                self._dealers.pop(rank).close()
-                endpoint = self._replay_endpoints[rank]
-                raise SubscriberTimeout(f"replay from {endpoint} did not finish")
-            try:
-                item = parse_replay_message(await sock.recv_multipart())
-            except ValueError:
-                continue
-            if item is None:
-                return batches
-            batches.append(item)
+                return None
+            if reader.add(await sock.recv_multipart()):
+                return reader.batches

@@ -8,20 +8,29 @@ Per rank it keeps a ``Mirror`` of the published cache and the last seq applied. 
 
 - seq ``last + 1`` is applied; ``<= last`` is a duplicate (ignored) unless its payload differs
   from the one applied at that seq, which means another daemon run is talking (a restart);
-- a higher seq is a gap: the missing seqs are replayed from ``last + 1`` (with a control
-  endpoint, a ping first checks the daemon's epoch);
-- a replay that starts above the seq asked for means the history is gone: the rank is
-  resynchronised from the control ``snapshot`` (without control, the hole is counted as lost
-  and the mirror waits for the next ``AllBlocksCleared``, which makes it exact again);
+- a higher seq is a gap: the missing seqs are replayed (with a control endpoint, a ping first
+  checks the daemon's epoch). Every repair replays from ``last``, not ``last + 1``: the batch
+  at ``last`` must come back with the payload that was applied, or another daemon run is
+  talking (without control that overlap is the only witness of a restart whose seqs already
+  passed the old run's);
+- a replay that skips seqs lands either on a batch holding ``AllBlocksCleared`` (a new run's
+  start-up marker, or a daemon's answer to a request for history it no longer holds), from
+  which the mirror is rebuilt exactly, or on an ordinary batch: the history is gone and the
+  rank is resynchronised from the control ``snapshot`` (without control, the hole is counted
+  as lost and the mirror waits for the next ``AllBlocksCleared``, which makes it exact again);
 - live seqs of one daemon run only grow, so a live seq at or below the last live seq, a new
-  epoch, or a replay that ends before a seq already received live is a restart: the rank's
-  state is dropped, its SUB socket is reconnected (dropping the old run's queued messages) and
-  it starts again from a replay of seq 0.
+  epoch, a replayed ``last`` with another payload, or a replay that ends before a seq already
+  applied or received live is a restart: the rank's state is dropped, its SUB socket is
+  reconnected (dropping the old run's queued messages) and it starts again from a replay of
+  everything the new run retains.
+
+A daemon's seqs do not start at 0 (by default they start at the wall clock in microseconds,
+so each run's are above the last run's): the tracker never assumes a first seq.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -63,7 +72,7 @@ class Counters:
     replayed: int = 0  # of the batches, those that came through replay
     gaps: int = 0  # holes seen in the live stream
     gaps_repaired: int = 0  # ... filled by replay
-    resyncs: int = 0  # mirror replaced by a snapshot
+    resyncs: int = 0  # mirror replaced: by a snapshot, or rebuilt from a reset marker after a jump
     restarts: int = 0  # daemon restarts detected (state dropped)
     duplicates: int = 0  # batches ignored: already applied, or covered by a snapshot
     lost: int = 0  # seqs that could be neither replayed nor resynchronised
@@ -139,6 +148,12 @@ class RankStream:
     def next_seq(self) -> int:
         return 0 if self.last is None else self.last + 1
 
+    @property
+    def replay_start(self) -> int:
+        """Where a repair replays from: ``last`` itself, the overlap that proves the same run
+        (everything the daemon retains before anything was applied)."""
+        return 0 if self.last is None else self.last
+
     def remember(self, seq: int, payload: bytes) -> None:
         prints = self.fingerprints
         prints[seq] = hash(payload)
@@ -196,7 +211,7 @@ class StreamTracker:
             if stream.need_snapshot:
                 return Snapshot(stream.rank)
             if stream.need_replay:
-                return Replay(stream.rank, stream.next_seq)
+                return Replay(stream.rank, stream.replay_start)
         return None
 
     def catch_up(self, ranks: Iterable[int] | None = None) -> None:
@@ -256,9 +271,13 @@ class StreamTracker:
         """The reply to ``Replay(rank, start)``: (seq, payload) in the order received."""
         stream = self.streams[rank]
         stream.need_replay = False
-        if start != stream.next_seq:  # answers a question no longer asked
+        if start != stream.replay_start:  # answers a question no longer asked
             stream.need_replay = True
             return []
+        if stream.last is not None:
+            if not self._overlap_holds(stream, batches):
+                return []
+            batches = batches[1:] if batches[0][0] == stream.last else batches
         out: list[Received] = []
         for seq, payload in batches:
             if stream.need_snapshot or stream.need_reconnect:
@@ -268,13 +287,11 @@ class StreamTracker:
             elif seq == stream.next_seq:
                 out.extend(self._apply(stream, seq, payload, replayed=True))
             else:
-                self._history_gone(stream, stream.next_seq, seq)
-                if not stream.need_snapshot:
-                    out.extend(self._apply(stream, seq, payload, replayed=True))
+                out.extend(self._jump(stream, seq, payload))
         out.extend(self._settle_trigger(stream))
         return out
 
-    def on_snapshot(self, rank: int, reply: dict[str, Any]) -> list[Received]:
+    def on_snapshot(self, rank: int, reply: Mapping[str, Any]) -> list[Received]:
         """The reply to ``Snapshot(rank)``: ``{seq, epoch, events}``; the mirror becomes it."""
         stream = self.streams[rank]
         stream.need_snapshot = False
@@ -306,7 +323,7 @@ class StreamTracker:
             self.callbacks.on_resync(rank, seq)
         return []
 
-    def on_ping(self, reply: dict[str, Any]) -> None:
+    def on_ping(self, reply: Mapping[str, Any]) -> None:
         """The reply to ``Ping()``: a new epoch means the daemon restarted."""
         try:
             epoch, served = int(reply["epoch"]), int(reply["ranks"])
@@ -342,6 +359,39 @@ class StreamTracker:
             stream.counters.duplicates += 1
         return []
 
+    def _overlap_holds(self, stream: RankStream, batches: list[tuple[int, bytes]]) -> bool:
+        """A repair replays from ``last``: one run's replay holds at least its latest batch,
+        and gives ``last`` back as it was applied. Nothing at all, or ``last`` with another
+        payload, is another daemon run (one whose seqs start at or below the old run's)."""
+        if not batches:
+            self._restart(stream, f"replay from {stream.last} returned nothing: another run")
+            return False
+        seq, payload = batches[0]
+        if seq == stream.last and stream.same_batch(seq, payload) is False:
+            self._restart(stream, f"replayed seq {seq} has another payload than the one applied")
+            return False
+        return True
+
+    def _jump(self, stream: RankStream, seq: int, payload: bytes) -> list[Received]:
+        """The replay skipped from ``next_seq`` to ``seq``. A batch holding AllBlocksCleared
+        makes the mirror exact whatever was skipped (a new run's start-up marker, or the
+        daemon's answer to a request for history it no longer holds): it is rebuilt from
+        there. Any other batch means the skipped history is gone."""
+        if _holds_marker(payload):
+            if stream.last is not None:
+                stream.counters.resyncs += 1
+                if self.callbacks.on_resync:
+                    self.callbacks.on_resync(stream.rank, seq)
+            stream.synced = False  # _apply rebuilds the mirror from the marker
+            stream.gap_counted = False
+            # A history answer shares its seq with a live batch of another payload: no
+            # fingerprint for it, or that live batch would look like another run's.
+            return self._apply(stream, seq, payload, replayed=True, fingerprint=False)
+        self._history_gone(stream, stream.next_seq, seq)
+        if stream.need_snapshot:
+            return []
+        return self._apply(stream, seq, payload, replayed=True)
+
     def _settle_trigger(self, stream: RankStream) -> list[Received]:
         """After a replay: the live batch that revealed the gap is now next, or known."""
         trigger, stream.trigger = stream.trigger, None
@@ -369,13 +419,20 @@ class StreamTracker:
             self._unrecoverable(stream, missing_from, seq)
 
     def _unrecoverable(self, stream: RankStream, missing_from: int, seq: int) -> None:
-        """Seqs [missing_from, seq) are gone for good: the mirror waits for a reset marker."""
-        stream.counters.lost += seq - missing_from
+        """Seqs [missing_from, seq) are gone for good: the mirror waits for a reset marker.
+        (Before anything was applied, how many seqs came before ``seq`` is unknown: the
+        daemon's first seq is not 0; it is counted as one.)"""
+        stream.counters.lost += seq - missing_from if stream.last is not None else 1
         stream.synced = False
         stream.gap_counted = False
 
     def _apply(
-        self, stream: RankStream, seq: int, payload: bytes, replayed: bool
+        self,
+        stream: RankStream,
+        seq: int,
+        payload: bytes,
+        replayed: bool,
+        fingerprint: bool = True,
     ) -> list[Received]:
         try:
             batch = decode_batch(payload)
@@ -386,7 +443,8 @@ class StreamTracker:
                 stream.last = seq
             return []
         stream.last = seq
-        stream.remember(seq, payload)
+        if fingerprint:
+            stream.remember(seq, payload)
         events = batch.events
         if not stream.synced:
             markers = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
@@ -422,3 +480,11 @@ class StreamTracker:
     def _resync_from_start(self, stream: RankStream) -> None:
         stream.need_replay = self.replay
         stream.need_snapshot = not self.replay and self.control
+
+
+def _holds_marker(payload: bytes) -> bool:
+    try:
+        events = decode_batch(payload).events
+    except ValueError:
+        return False
+    return any(isinstance(e, AllBlocksCleared) for e in events)

@@ -141,35 +141,33 @@ class RankCache:
             self.pool.free([lease.tail_block])
         return len(lease.blocks) + (lease.tail_block is not None)
 
-    def reset(self) -> tuple[object, ...]:
-        """Drop every block and request and capture the marker, in O(1). Returns the old
-        structures: freeing them costs O(blocks), so the caller drops them after its reply."""
+    def clear(self) -> tuple[object, ...]:
+        """Drop every block and open request in O(1). Returns the old containers: freeing
+        them costs O(blocks), so the caller hands them to the reaper."""
         old_leases, self.leases = self.leases, {}
         old_index = self.index.clear()
         self.pool.free_all()
-        old_published = self.sink.cleared()
-        return (old_leases, *old_index, old_published)
+        return (old_leases, *old_index)
 
-    def snapshot(self) -> list[BlockStored]:
-        """The published blocks as one-block stores, parents before children."""
+    def block_events(self, block_ids: list[int]) -> list[BlockStored]:
+        """Cached blocks as one-block stores, as a snapshot reports them."""
         size = self.block_size
         medium = self.sink.medium
         index = self.index
-        published = list(self.sink.published)
-        hashes = dict(
-            zip(published, self.wire_hash([index.digest[b] for b in published]), strict=True)
-        )
+        digest, parent_of, keys_of, tokens = index.digest, index.parent, index.keys, self.tokens
+        parents = [parent_of[b] for b in block_ids]
+        hashes = self.wire_hash([digest[b] for b in block_ids])
+        parent_hashes = self.wire_hash([digest[p] for p in parents if p != ROOT])[::-1]
         events = []
-        for block_id in published:
-            parent = index.parent[block_id]
+        for block_id, block_hash, parent in zip(block_ids, hashes, parents, strict=True):
             events.append(
                 stored_event(
-                    hashes=[hashes[block_id]],
-                    parent_hash=hashes[parent] if parent != ROOT else None,
-                    token_ids=self.tokens[block_id].tolist(),
+                    hashes=[block_hash],
+                    parent_hash=parent_hashes.pop() if parent != ROOT else None,
+                    token_ids=tokens[block_id].tolist(),
                     block_size=size,
                     medium=medium,
-                    keys=index.keys[block_id],
+                    keys=keys_of[block_id],
                 )
             )
         return events

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvpubd import __version__
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -39,7 +46,10 @@ RESET_BUCKETS = (
     5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
 HTTP_LIMIT = 16 * 1024  # bytes of request line and headers a scrape may send
-HTTP_TIMEOUT_S = 10.0  # a client that sends no complete request in this time is dropped
+HTTP_TIMEOUT_S = 5.0  # a client that sends no complete request in this time is dropped
+HTTP_BACKLOG = 16  # connections the kernel queues before we accept (and count) them
+# Connections served at once (the daemon lowers it to its fd budget); more are closed at once.
+HTTP_MAX_CONNECTIONS = 64
 
 
 class RankLike(Protocol):
@@ -54,21 +64,28 @@ class Metrics:
     """The daemon's metrics. ``ranks`` returns the served ranks; ``paused`` the drain state."""
 
     def __init__(
-        self, ranks: Callable[[], Sequence[RankLike]], paused: Callable[[], bool] = lambda: False
+        self,
+        ranks: Callable[[], Sequence[RankLike]],
+        paused: Callable[[], bool] = lambda: False,
+        health: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """``health`` returns None while the daemon is healthy, else why it is not."""
         self.registry = CollectorRegistry()
         self._ranks = ranks
         self._paused = paused
+        self._health = health
+        self.max_connections = HTTP_MAX_CONNECTIONS
+        self.connections = 0
+        self.connections_refused = 0
         # (rank, event type) -> events published; control op -> requests; (op, code) -> errors.
         self.events: dict[tuple[int, str], int] = {}
         self.requests: dict[str, int] = {}
         self.errors: dict[tuple[str, str], int] = {}
-        self.reset_seconds = Histogram(
-            "kvpubd_reset_duration_seconds",
-            "Time the reset handler took, from the request to the marker handed to ZeroMQ.",
-            buckets=RESET_BUCKETS,
-            registry=self.registry,
-        )
+        # Per bucket of RESET_BUCKETS (and +Inf): resets that took at most its bound, not
+        # cumulated; kept here rather than in a prometheus Histogram, which would add a
+        # `_created` series that the text format shows as a gauge of its own.
+        self.reset_counts = [0] * (len(RESET_BUCKETS) + 1)
+        self.reset_sum = 0.0
         self.registry.register(_StateCollector(self))
         ProcessCollector(registry=self.registry)
         self._server: asyncio.AbstractServer | None = None
@@ -95,13 +112,16 @@ class Metrics:
         self.control(INVALID_OP, error_code)
 
     def reset_done(self, seconds: float) -> None:
-        self.reset_seconds.observe(seconds)
+        self.reset_counts[bisect_left(RESET_BUCKETS, seconds)] += 1
+        self.reset_sum += seconds
 
     # -- HTTP endpoint -----------------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> str:
         """Listen on ``host:port``; returns the URL of the metrics page."""
-        self._server = await asyncio.start_server(self._answer, host, port, limit=HTTP_LIMIT)
+        self._server = await asyncio.start_server(
+            self._answer, host, port, limit=HTTP_LIMIT, backlog=HTTP_BACKLOG
+        )
         bound = self._server.sockets[0].getsockname()
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         self.url = f"http://{shown}:{bound[1]}/metrics"
@@ -114,6 +134,12 @@ class Metrics:
             self._server = None
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= self.max_connections:
+            # Each connection holds a file descriptor: a flood must not use them up.
+            self.connections_refused += 1
+            writer.transport.abort()
+            return
+        self.connections += 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_TIMEOUT_S)
             status, content_type, body = self.page(head)
@@ -132,7 +158,8 @@ class Metrics:
         except Exception:  # a bug: keep the daemon serving
             log.exception("metrics: a scrape failed")
         finally:
-            writer.close()
+            self.connections -= 1
+            writer.transport.abort()  # nothing is left to send: free the fd now
 
     def page(self, head: bytes) -> tuple[str, str, bytes]:
         """(status, content type, body) for one request's line and headers."""
@@ -143,8 +170,14 @@ class Metrics:
         method, target, _ = parts
         if method not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"only GET and HEAD\n"
-        if target.split("?", 1)[0] not in ("/metrics", "/"):
-            return "404 Not Found", "text/plain", b"metrics are at /metrics\n"
+        path = target.split("?", 1)[0]
+        if path == "/healthz":
+            problem = self._health()
+            if problem is None:
+                return "200 OK", "text/plain", b"ok\n"
+            return "503 Service Unavailable", "text/plain", f"{problem}\n".encode()
+        if path not in ("/metrics", "/"):
+            return "404 Not Found", "text/plain", b"metrics are at /metrics, health at /healthz\n"
         accept = ""
         for line in lines[1:]:
             name, _, value = line.partition(":")
@@ -164,9 +197,21 @@ class _StateCollector(Collector):
         metrics = self.metrics
         ranks = [r.stats() for r in metrics._ranks()]
 
-        info = GaugeMetricFamily("kvpubd_info", "The daemon's version.", labels=["version"])
+        info = GaugeMetricFamily(
+            "kvpubd_build_info", "Always 1; the daemon's version.", labels=["version"]
+        )
         info.add_metric([__version__], 1)
         yield info
+        cumulative, buckets = 0, []
+        for bound, count in zip([*RESET_BUCKETS, float("inf")], metrics.reset_counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(
+            "kvpubd_reset_duration_seconds",
+            "Time the reset handler took, from the request to the marker handed to ZeroMQ.",
+            buckets=buckets,
+            sum_value=metrics.reset_sum,
+        )
         yield GaugeMetricFamily(
             "kvpubd_paused", "1 while the periodic drain is paused.", value=int(metrics._paused())
         )
@@ -183,27 +228,31 @@ class _StateCollector(Collector):
                 )
         yield events
 
-        for name, key, help_text in (
-            ("kvpubd_batches_published", "batches", "Batches published (one seq each)."),
+        # Named after the stats keys: kvpubd_<key>, counters with _total.
+        for key, help_text in (
+            ("batches_published", "Batches published (one seq each)."),
             (
-                "kvpubd_dropped_stores",
-                "dropped_stores",
+                "dropped_stored_blocks",
                 "Stored blocks not published: over the per-tick cap, or under a dropped parent.",
             ),
-            ("kvpubd_resets", "resets", "Resets of the rank's cache."),
-            ("kvpubd_replay_requests", "replay_requests", "Replay requests answered."),
+            ("resets", "Resets of the rank's cache."),
+            ("replay_requests", "Replay requests answered."),
+            ("replays_refused", "Replay requests refused: max_replays were streaming."),
         ):
-            yield _per_rank(CounterMetricFamily, name, help_text, ranks, key)
+            yield _per_rank(CounterMetricFamily, key, help_text, ranks)
 
-        for name, key, help_text in (
-            ("kvpubd_seq", "seq", "Seq of the last batch published (-1 before the first)."),
-            ("kvpubd_pool_blocks_capacity", "blocks_total", "Blocks in the pool."),
-            ("kvpubd_pool_blocks_used", "blocks_used", "Blocks allocated (cached or pinned)."),
-            ("kvpubd_pool_blocks_pinned", "blocks_pinned", "Blocks pinned by open requests."),
-            ("kvpubd_pool_blocks_free", "blocks_free", "Blocks free for allocation."),
-            ("kvpubd_requests_open", "requests_open", "Store requests not yet released."),
+        for key, help_text in (
+            ("seq", "Seq of the last batch published (-1 before the first)."),
+            ("blocks_capacity", "Blocks in the pool."),
+            ("blocks_used", "Blocks allocated (cached or pinned)."),
+            ("blocks_pinned", "Blocks pinned by open requests."),
+            ("blocks_free", "Blocks free for allocation."),
+            ("blocks_cached", "Blocks in the prefix index."),
+            ("blocks_published", "Blocks whose BlockStored was published and not removed."),
+            ("requests_open", "Store requests not yet released."),
+            ("events_pending", "Events captured, not yet published."),
         ):
-            yield _per_rank(GaugeMetricFamily, name, help_text, ranks, key)
+            yield _per_rank(GaugeMetricFamily, key, help_text, ranks)
 
         requests = CounterMetricFamily(
             "kvpubd_control_requests",
@@ -221,16 +270,20 @@ class _StateCollector(Collector):
         for (op, code), count in sorted(metrics.errors.items()):
             errors.add_metric([op, code], count)
         yield errors
+        yield CounterMetricFamily(
+            "kvpubd_metrics_connections_refused",
+            "Connections to this endpoint closed at once: max connections were open.",
+            value=metrics.connections_refused,
+        )
 
 
 def _per_rank(
     family: type[CounterMetricFamily] | type[GaugeMetricFamily],
-    name: str,
+    key: str,
     help_text: str,
     ranks: list[dict[str, Any]],
-    key: str,
 ) -> Metric:
-    metric = family(name, help_text, labels=["rank"])
+    metric = family(f"kvpubd_{key}", help_text, labels=["rank"])
     for stats in ranks:
         metric.add_metric([str(stats["rank"])], stats[key])
     return metric

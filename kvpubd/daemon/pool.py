@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,17 @@ from kvpubd.daemon import kernels
 log = logging.getLogger(__name__)
 
 
+# Where POSIX shared memory lives on Linux (shm_open creates its segments here).
+SHM_DIR = Path("/dev/shm")
+_SHM_HINT = " (grow it, e.g. docker run --shm-size, or lower cache.num_blocks)"
+
+
 class PoolExhausted(Exception):
     pass
+
+
+class PoolDoesNotFit(RuntimeError):
+    """The pool is larger than the shared memory left: one line naming both sizes."""
 
 
 class BlockPool:
@@ -121,6 +131,8 @@ class HostPool(BlockPool):
         super().__init__(num_blocks, block_bytes, scrub_on_free)
         name = name or f"kvpubd-{os.getpid()}-{secrets.token_hex(6)}"
         size = num_blocks * block_bytes
+        what = f"pool ({num_blocks} blocks of {block_bytes} bytes, {_mib(size)})"
+        check_shm_space(size, what)
         # A fresh segment reads as zeros; the resource tracker unlinks it if only we are killed.
         try:
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
@@ -132,6 +144,12 @@ class HostPool(BlockPool):
             stale.unlink()
             log.warning("removed stale shared memory segment %s", name)
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        try:
+            reserve_pages(self._shm._fd, size, what)  # type: ignore[attr-defined]
+        except PoolDoesNotFit:
+            self._shm.close()
+            self._shm.unlink()
+            raise
         self.data: np.ndarray | None = np.ndarray(
             (num_blocks, block_bytes), dtype=np.uint8, buffer=self._shm.buf
         )
@@ -231,6 +249,39 @@ class CudaPool(BlockPool):
         self.stream.synchronize()
         self.data = None
         self._memory = None
+
+
+def check_shm_space(size: int, what: str, directory: Path = SHM_DIR) -> None:
+    """PoolDoesNotFit unless ``directory`` (a tmpfs) has ``size`` bytes free."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return  # no such filesystem here (not Linux): shm_open reports what it must
+    free = stats.f_bavail * stats.f_frsize
+    if size > free:
+        raise PoolDoesNotFit(
+            f"{what} does not fit in {directory}: {_mib(free)} free of "
+            f"{_mib(stats.f_blocks * stats.f_frsize)}{_SHM_HINT}"
+        )
+
+
+def reserve_pages(fd: int, size: int, what: str, directory: Path = SHM_DIR) -> None:
+    """Allocate every page of a tmpfs file now: a page the filesystem cannot give later would
+    be a SIGBUS on first touch, under load, with no log line."""
+    if not hasattr(os, "posix_fallocate"):  # pragma: no cover - not on macOS
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        stats = os.statvfs(directory)
+        raise PoolDoesNotFit(
+            f"{what} does not fit in {directory}: {exc.strerror}, "
+            f"{_mib(stats.f_bavail * stats.f_frsize)} free{_SHM_HINT}"
+        ) from None
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def pool_segment_name(control_endpoint: str, rank: int) -> str:

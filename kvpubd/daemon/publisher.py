@@ -2,32 +2,66 @@
 
 Usable as a library: ``Publisher(...).publish(events)`` encodes, numbers and sends one batch
 and returns its seq; ``handle_replay()`` answers whatever replay requests are waiting.
+
+Seqs start at ``first_seq`` (see ``seq_origin``) and grow by one per batch. ``heartbeat()``
+publishes an empty batch when nothing went out for ``heartbeat_ms``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Protocol
 
 import zmq
 
+from kvpubd.daemon.snapshot import Buffer, Snapshot
 from kvpubd.protocol.wire import END_SEQ, MAX_SEQ, BatchEncoder, Event, WireFormat, pack_seq
+
+
+class SnapshotSupply(Protocol):
+    """What the publisher asks for when a replay wants history it no longer holds."""
+
+    @property
+    def result(self) -> asyncio.Future[Snapshot]: ...
+
 
 log = logging.getLogger(__name__)
 
 REPLAY_MAX_MESSAGE_BYTES = 256  # a replay request is 8 bytes; anything far larger is abuse
-REPLAY_CHUNK = 256  # batches one replay sends per turn of the loop
+REPLAY_CHUNK = 64  # batches one replay sends before the next replay gets a turn
+REPLAY_ACCEPT = 32  # replay requests read per loop turn: a flood waits in ZeroMQ, not here
+REPLAY_SLICE_S = 0.0005  # replay work per loop turn
 ZERO_COPY_BYTES = 65536  # pyzmq's own threshold: below it a copy is cheaper than tracking
+
+
+def seq_origin(mode: str) -> int:
+    """The first seq of a run. "clock": the wall clock in microseconds, so every run's seqs lie
+    above the last run's (a run would have to average a million batches a second to overtake
+    the clock) and a restart looks like a forward jump to consumers that keep the last seq they
+    applied. "zero": every run starts again at 0."""
+    if mode == "zero":
+        return 0
+    if mode == "clock":
+        return time.time_ns() // 1000
+    raise ValueError(f"seq origin {mode!r}: use 'clock' or 'zero'")
+
+
+SnapshotBatch = tuple[int, Buffer]  # (seq, payload) of a replay batch holding the whole state
 
 
 @dataclass(slots=True)
 class _Replay:
     identity: bytes
     next_seq: int
+    # Set while the replay waits for a snapshot batch (its history is no longer retained).
+    snapshot: asyncio.Future[SnapshotBatch] | None = None
 
 
 class Publisher:
@@ -45,12 +79,20 @@ class Publisher:
         replay_framing: str = "v026",
         linger_ms: int = 2000,
         max_replays: int = 64,
+        first_seq: int = 0,
+        heartbeat_ms: int = 0,
     ) -> None:
+        if not 0 <= first_seq <= MAX_SEQ:
+            raise ValueError(f"first_seq: {first_seq} is not a seq (0..{MAX_SEQ})")
         self.rank = rank
         self.topic = topic.encode()
         self.legacy_replay = replay_framing == "legacy"
+        self.wire_format = wire_format
         self._encoder = BatchEncoder(wire_format, rank)
-        self._next_seq = 0
+        self.first_seq = first_seq
+        self._next_seq = first_seq
+        self.heartbeat_s = heartbeat_ms / 1000
+        self._last_sent = time.monotonic()
         # (seq frame, payload) of the last buffer_steps batches, oldest first.
         self._ring: deque[tuple[bytes, bytes]] = deque(maxlen=buffer_steps)
         self.batches = 0
@@ -58,7 +100,16 @@ class Publisher:
         self.replay_requests = 0
         self.replays_refused = 0
         self.max_replays = max_replays
-        self._replays: deque[_Replay] = deque()
+        self._replays: deque[_Replay] = deque()  # streaming, round-robin
+        self._waiting: list[_Replay] = []  # waiting for a snapshot batch
+        # The snapshot of the current state, for replays of history the ring lost (set by the
+        # rank's pipeline); without it such a replay gets what the ring holds.
+        self.lost_history: Callable[[], SnapshotSupply] | None = None
+        self._pump_scheduled = False
+        self._snapshot_batches: (
+            tuple[asyncio.Future[Snapshot], asyncio.Future[SnapshotBatch]] | None
+        ) = None
+        self._replay_fd: int | None = None
 
         self.pub = context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
@@ -81,7 +132,7 @@ class Publisher:
 
     @property
     def last_seq(self) -> int:
-        """The seq of the last batch sent, -1 before the first."""
+        """The seq of the last batch sent, ``first_seq - 1`` before the first."""
         return self._next_seq - 1
 
     def publish(self, events: list[Event], ts: float | None = None) -> int:
@@ -95,28 +146,63 @@ class Publisher:
         self._ring.append((seq_frame, payload))
         # PUB never blocks: at the HWM ZeroMQ drops for that subscriber, and replay repairs it.
         self.pub.send_multipart((self.topic, seq_frame, payload))
+        self._last_sent = time.monotonic()
         self.batches += 1
         self.events += len(events)
         return seq
 
-    def handle_replay(self, budget: int = 4 * REPLAY_CHUNK) -> bool:
-        """Take waiting replay requests and send up to ``budget`` batches of the replays in
-        progress, round-robin, without blocking. Returns True while replays remain: call it
-        again on a later loop turn (a long replay never holds the loop)."""
+    def heartbeat(self) -> int | None:
+        """Publish an empty batch ``[ts, [], rank]`` if nothing went out for the heartbeat
+        interval; returns its seq, or None. An ordinary batch (numbered, kept for replay): a
+        consumer that missed the last batch sees the gap, and one that joined an idle daemon
+        hears of it, within one interval."""
+        if not self.heartbeat_s or time.monotonic() - self._last_sent < self.heartbeat_s:
+            return None
+        return self.publish([])
+
+    def start(self) -> None:
+        """Serve replay requests from the running loop (a reader on the ROUTER's FD)."""
+        if self.replay is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._replay_fd = self.replay.getsockopt(zmq.FD)
+        loop.add_reader(self._replay_fd, self._pump)
+        self._schedule_pump()  # anything that arrived before the reader existed
+
+    def stop(self) -> None:
+        if self._replay_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._replay_fd)
+            self._replay_fd = None
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        if self.handle_replay():
+            self._schedule_pump()
+
+    def handle_replay(self, slice_s: float = REPLAY_SLICE_S) -> bool:
+        """Take up to REPLAY_ACCEPT waiting requests and stream the replays in progress,
+        round-robin, for about ``slice_s`` seconds, without blocking. Returns True while work
+        remains: call it again on a later loop turn (no replay or flood holds the loop)."""
         sock = self.replay
         if sock is None:
             return False
-        while True:
+        deadline = time.perf_counter() + slice_s
+        for _ in range(REPLAY_ACCEPT):
             # Reading EVENTS after our own sends re-arms the socket's edge-triggered FD.
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._accept(sock.recv_multipart(zmq.NOBLOCK))
-            if not self._replays or budget <= 0:
-                return bool(self._replays)
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
+            self._accept(sock.recv_multipart(zmq.NOBLOCK))
+        while self._replays and time.perf_counter() < deadline:
             replay = self._replays.popleft()
-            sent, done = self._stream(sock, replay, min(REPLAY_CHUNK, budget))
-            budget -= max(sent, 1)
-            if not done:
+            if not self._stream(sock, replay, REPLAY_CHUNK):
                 self._replays.append(replay)
+        more_requests = bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self._replays) or more_requests
 
     def _accept(self, frames: list[bytes]) -> None:
         # [identity, b"", start_seq]: what a REQ sends (a DEALER sends [b"", start_seq]).
@@ -125,39 +211,84 @@ class Publisher:
                 "rank %d: ignored malformed replay request (%d frames)", self.rank, len(frames)
             )
             return
-        if len(self._replays) >= self.max_replays:
+        if len(self._replays) + len(self._waiting) >= self.max_replays:
             # No reply: the client times out and asks again once the others are served.
             self.replays_refused += 1
             log.debug("rank %d: %d replays in progress, one refused", self.rank, self.max_replays)
             return
         self.replay_requests += 1
-        self._replays.append(_Replay(frames[0], int.from_bytes(frames[2], "big")))
+        replay = _Replay(frames[0], int.from_bytes(frames[2], "big"))
+        log.debug("rank %d: replay from seq %d", self.rank, replay.next_seq)
+        if not self._wait_for_snapshot(replay):
+            self._replays.append(replay)
 
-    def _stream(self, sock: zmq.Socket, replay: _Replay, limit: int) -> tuple[int, bool]:
-        """Send up to ``limit`` retained batches from ``replay.next_seq``; the end marker once
-        it is past the last. Returns (batches sent, finished)."""
-        ring = self._ring
-        first = self._next_seq - len(ring)
-        skip = max(0, replay.next_seq - first)
+    def _wait_for_snapshot(self, replay: _Replay) -> bool:
+        """Park a replay whose start the ring no longer holds until a snapshot batch of the
+        current state is ready; False when the ring has what it asks for."""
+        first = self._next_seq - len(self._ring)
+        if replay.next_seq >= first or first == self.first_seq or self.lost_history is None:
+            return False
+        replay.snapshot = self._snapshot_batch(self.lost_history().result)
+        self._waiting.append(replay)
+        replay.snapshot.add_done_callback(lambda _: self._snapshot_ready(replay))
+        return True
+
+    def _snapshot_ready(self, replay: _Replay) -> None:
+        if replay in self._waiting:
+            self._waiting.remove(replay)
+            self._replays.append(replay)
+            self._schedule_pump()
+
+    def _snapshot_batch(self, job: asyncio.Future[Snapshot]) -> asyncio.Future[SnapshotBatch]:
+        """The job's replay batch, put together once for every replay that sends it."""
+        cached = self._snapshot_batches
+        if cached is None or cached[0] is not job:
+            batch = asyncio.ensure_future(self._put_together(job))
+            cached = self._snapshot_batches = (job, batch)
+        return cached[1]
+
+    async def _put_together(self, job: asyncio.Future[Snapshot]) -> SnapshotBatch:
+        snapshot = await asyncio.shield(job)
+        payload = await snapshot.batch_payload(time.time(), self.rank, self.wire_format)
+        return snapshot.seq, payload
+
+    def _stream(self, sock: zmq.Socket, replay: _Replay, limit: int) -> bool:
+        """Send up to ``limit`` batches of ``replay`` (its snapshot batch first, if it waited
+        for one); the end marker once it is past the last. Returns True when it is finished."""
         head = (replay.identity, b"") if self.legacy_replay else (replay.identity, b"", self.topic)
-        sent = 0
         try:
+            if replay.snapshot is not None:
+                batch, replay.snapshot = replay.snapshot, None
+                if batch.cancelled() or batch.exception() is not None:
+                    return True  # no end marker: the client asks again
+                seq, payload = batch.result()
+                # Without a copy: every replay shares the one payload.
+                sock.send_multipart((*head, pack_seq(seq), payload), zmq.NOBLOCK, copy=False)
+                replay.next_seq = seq + 1
+                if self._wait_for_snapshot(replay):  # the ring moved past it meanwhile
+                    return False
+            ring = self._ring
+            first = self._next_seq - len(ring)
+            # Clamped: a start far past the last seq (up to 2^64 - 1) sends nothing.
+            skip = min(max(0, replay.next_seq - first), len(ring))
+            sent = 0
             for seq_frame, payload in islice(ring, skip, skip + limit):
                 for frame in (*head, seq_frame):
                     sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
                 # Large payloads go zero-copy: many replays then share the ring's bytes.
                 sock.send(payload, zmq.NOBLOCK, copy=len(payload) < ZERO_COPY_BYTES)
                 sent += 1
-            replay.next_seq = first + skip + sent
-            if replay.next_seq < self._next_seq:
-                return sent, False
+            replay.next_seq = max(replay.next_seq, first + skip + sent)
+            if first + skip + sent < self._next_seq:
+                return False
             end = head[:2] if self.legacy_replay else (*head[:2], b"")
             sock.send_multipart((*end, END_SEQ, b""), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or over its HWM: it sees no end marker, asks again
             log.debug("rank %d: replay to a peer stopped: %s", self.rank, exc)
-        return sent, True
+        return True
 
     def close(self) -> None:
+        self.stop()
         if self.replay is not None:
             self.replay.close()
         self.pub.close()

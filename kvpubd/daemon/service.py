@@ -1,8 +1,9 @@
-"""The daemon: ``Service(settings).serve()`` runs startup, the main loop and shutdown.
+"""The daemon's lifecycle: ``Service(settings).serve()`` runs ``startup()``, ``main_loop()`` and
+``shutdown()``, as uvicorn's ``Server.serve()`` does.
 
 One asyncio loop owns all state. ZeroMQ sockets are served from loop readers (their FD is
-edge-triggered, so each reader drains until ZeroMQ reports nothing more to read), and every
-handler is synchronous: a reset's marker is handed to ZeroMQ before its reply is sent.
+edge-triggered, so each reader drains until ZeroMQ reports nothing more to read). Every
+background task is supervised: one that dies stops the daemon with a non-zero exit status.
 """
 
 from __future__ import annotations
@@ -10,170 +11,145 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import secrets
 import signal
-import stat
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
-from kvpubd import __version__
-from kvpubd.daemon.cache import CacheError, RankCache
-from kvpubd.daemon.notify import Notifier, watchdog_interval
-from kvpubd.daemon.pool import pool_segment_name
-from kvpubd.daemon.publisher import Publisher
-from kvpubd.daemon.reaper import Reaper
-from kvpubd.daemon.sink import EventSink
-from kvpubd.protocol.auth import CurveServer
-from kvpubd.protocol.config import Settings, rank_endpoint
-from kvpubd.protocol.control import (
-    Checksum,
-    Ping,
-    PoolInfo,
-    ProtocolError,
-    Release,
-    Request,
-    Reset,
-    Snapshot,
-    Stats,
-    Store,
-    error_reply,
-    ok_reply,
-    parse_request,
+from kvpubd.daemon import logs, resources
+from kvpubd.daemon.conn_cap import ConnectionCap
+from kvpubd.daemon.control_server import ControlServer, StartupError
+from kvpubd.daemon.endpoint_lock import (
+    EndpointInUse,
+    EndpointLock,
+    lock_path,
+    make_parents,
+    remove_dirs,
 )
-from kvpubd.protocol.hashing import token_count, tokens_array
-from kvpubd.protocol.wire import event_to_wire
-
-if TYPE_CHECKING:
-    from kvpubd.daemon.metrics import Metrics
+from kvpubd.daemon.hooks import MetricsHooks, NullMetrics
+from kvpubd.daemon.notify import Notifier, watchdog_interval
+from kvpubd.daemon.operations import Operations
+from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.reaper import Reaper
+from kvpubd.protocol.auth import AuthError
+from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir
 
 log = logging.getLogger("kvpubd")
 
-# Control requests handled per reader wake-up before the loop gets a turn (drain ticks).
-CONTROL_BURST = 64
+__all__ = ["Service", "StartupError", "TaskFailed", "run"]
+
+DRAIN_TASK = "drain loop"
 
 
-class Rank:
-    """Everything one data-parallel rank owns: cache, sink and publisher."""
-
-    def __init__(
-        self, rank: int, settings: Settings, context: zmq.Context, metrics: Metrics | None = None
-    ) -> None:
-        events = settings.events
-        self.rank = rank
-        self.metrics = metrics
-        # Sockets first: a failed bind leaves nothing but sockets, which the context closes.
-        self.publisher = Publisher(
-            context,
-            endpoint=rank_endpoint(events.endpoint, rank),
-            replay_endpoint=rank_endpoint(events.replay_endpoint, rank)
-            if events.replay_endpoint
-            else "",
-            topic=events.topic,
-            wire_format=events.wire_format,
-            rank=rank,
-            buffer_steps=events.buffer_steps,
-            max_replays=events.max_replays,
-            hwm=events.hwm,
-            replay_framing=events.replay_framing,
-            linger_ms=settings.service.linger_ms,
-        )
-        self.sink = EventSink(
-            block_size=settings.cache.block_size,
-            medium=settings.medium,
-            max_events_per_tick=events.max_events_per_tick,
-        )
-        self.cache = RankCache(
-            settings.cache,
-            self.sink,
-            events.hash_format,
-            rank,
-            pool_name=pool_segment_name(settings.control.endpoint, rank),
-        )
-        self.resets = 0
-
-    def flush(self, new_tick: bool = False) -> int | None:
-        """Publish everything captured as one batch; returns its seq, or None if nothing was.
-        ``new_tick``: this is the periodic drain, which starts a fresh capture budget."""
-        events = self.sink.drain(new_tick)
-        if not events:
-            return None
-        seq = self.publisher.publish(events)
-        if self.metrics is not None:
-            self.metrics.published(self.rank, events)
-        return seq
-
-    def stats(self) -> dict[str, Any]:
-        pool = self.cache.pool
-        return {
-            "rank": self.rank,
-            "seq": self.publisher.last_seq,
-            "batches": self.publisher.batches,
-            "events_published": self.publisher.events,
-            "dropped_stores": self.sink.dropped_stores,
-            "resets": self.resets,
-            "replay_requests": self.publisher.replay_requests,
-            "replays_refused": self.publisher.replays_refused,
-            "blocks_total": pool.num_blocks,
-            "blocks_used": pool.used_count,
-            "blocks_free": pool.free_count,
-            "blocks_cached": len(self.cache.index),
-            "blocks_pinned": self.cache.pinned_blocks,
-            "blocks_published": len(self.sink.published),
-            "requests_open": len(self.cache.leases),
-            "events_pending": self.sink.pending_count,
-            "endpoint": self.publisher.endpoint,
-            "replay_endpoint": self.publisher.replay_endpoint,
-        }
+class TaskFailed(RuntimeError):
+    """A background task of the daemon died; the daemon stops with a non-zero status."""
 
 
 class Service:
-    def __init__(self, settings: Settings) -> None:
+    """``reload_settings`` (SIGHUP) returns the configuration as it is now, or raises
+    ConfigError; ``start_lines`` are logged once the daemon holds its endpoint."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        reload_settings: Callable[[], Settings] | None = None,
+        start_lines: list[str] | None = None,
+    ) -> None:
         self.settings = settings
+        self._reload_settings = reload_settings
+        self._start_lines = start_lines or []
+        self.ready = False
+        # What start-up made and shutdown removes: the endpoint lock, directories it created.
+        self._lock: EndpointLock | None = None
+        self._created_dirs: list[Path] = []
+        self._caps: list[ConnectionCap] = []
         self.epoch = secrets.randbits(62)
-        self.paused = False
-        self.ranks: list[Rank] = []
-        self.control_endpoint = ""
+        self.pipelines: list[RankPipeline] = []
+        self.metrics: MetricsHooks = (
+            _create_metrics(self) if settings.metrics.port else NullMetrics()
+        )
+        self.operations = Operations(self.pipelines, settings, self.metrics, self.epoch)
         self._context: zmq.Context | None = None
-        self._control: zmq.Socket | None = None
+        self.control: ControlServer | None = None
         self._exit = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._readers: list[int] = []
-        # Work a request leaves for after its reply (scrubs).
-        self._after_reply: list[Callable[[], None]] = []
+        self._failure: BaseException | None = None
+        self._failure_task = ""
         # Frees cleared indexes piecemeal: one deallocation per block must not delay a marker.
         self._reaper = Reaper()
-        self.metrics = _create_metrics(self) if settings.metrics.port else None
         self._notifier = Notifier.from_environment()
-        self._curve: CurveServer | None = None
-        self._handlers: dict[type, Callable[[Any], dict[str, Any]]] = {
-            Ping: self._ping,
-            Stats: self._stats,
-            Store: self._store,
-            Release: self._release,
-            Reset: self._reset,
-            Snapshot: self._snapshot,
-            PoolInfo: self._pool_info,
-            Checksum: self._checksum,
-        }
+
+    @property
+    def paused(self) -> bool:
+        return self.operations.paused
+
+    @property
+    def control_endpoint(self) -> str:
+        return self.control.endpoint if self.control is not None else ""
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def serve(self) -> None:
+        """Run until SIGTERM/SIGINT; raises TaskFailed if a background task died."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_exit)
+        # SIGHUP's default action kills the process without a word.
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             await self.startup()
             await self.main_loop()
         finally:
             await self.shutdown()
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
+        if self._failure is not None:
+            raise TaskFailed(f"{self._failure_task}: {self._failure!r}") from self._failure
+
+    def health(self) -> str | None:
+        """None while the daemon is ready and its drain loop runs; else what is wrong."""
+        if not self.ready:
+            return "not ready"
+        if self._exit.is_set():
+            return "stopping"
+        if not any(t.get_name() == f"kvpubd {DRAIN_TASK}" and not t.done() for t in self._tasks):
+            return "the drain loop is not running"
+        return None
+
+    def reload(self) -> None:
+        """SIGHUP: apply the log level and the CURVE authorised keys as they are now; every
+        other setting needs a restart."""
+        if self._reload_settings is None:
+            log.info("SIGHUP: nothing to reload")
+            return
+        try:
+            fresh = self._reload_settings()
+        except ConfigError as exc:
+            log.error("SIGHUP: config error: %s; nothing reloaded", exc)
+            return
+        logs.set_level(fresh.service.log_level)
+        reloaded = [f"log level {fresh.service.log_level}"]
+        if self.control is not None:
+            try:
+                count = self.control.reload_curve()
+            except AuthError as exc:
+                log.error("SIGHUP: control.curve_authorized_keys: %s; keeping the keys loaded", exc)
+            else:
+                if count is not None:
+                    reloaded.append(f"{count} authorised CURVE client key(s)")
+        log.info("SIGHUP: reloaded %s", ", ".join(reloaded))
+        changed = [
+            f"{section}.{key}"
+            for section, values in fresh.model_dump().items()
+            for key, value in values.items()
+            if (section, key) != ("service", "log_level")
+            and getattr(getattr(self.settings, section), key) != value
+        ]
+        if changed:
+            log.warning("SIGHUP: %s changed; restart the daemon to apply", ", ".join(changed))
 
     def request_exit(self) -> None:
         if not self._exit.is_set():
@@ -181,92 +157,158 @@ class Service:
         self._exit.set()
 
     async def startup(self) -> None:
-        loop = asyncio.get_running_loop()
+        # The lock first: a daemon running on this endpoint keeps its sockets, socket file and
+        # pool segment (named after the endpoint), and this one says one line and exits.
+        self._lock_endpoint()
+        for line in self._start_lines:
+            log.info("%s", line)
+        resources.raise_fd_limit()
         self._context = zmq.Context()
-        # Control first: it refuses to start beside a running daemon on the same endpoint,
-        # before anything here could take over that daemon's sockets or pool segment.
-        self._control = self._bind_control()
+        self.control = ControlServer(
+            self._context, self.settings.control, self.operations.handle, self.metrics
+        )
+        self.control.bind()
         for rank in range(self.settings.cache.data_parallel_size):
-            self.ranks.append(Rank(rank, self.settings, self._context, self.metrics))
-        for rank in self.ranks:
-            # Seq 0 of every start tells subscribers to forget what an earlier run published.
-            rank.sink.cleared()
-            rank.flush()
+            self.pipelines.append(
+                RankPipeline(rank, self.settings, self._context, self.metrics, self._reaper)
+            )
+        for pipeline in self.pipelines:
+            pipeline.start()
+            publisher = pipeline.publisher
             log.info(
                 "rank %d: events on %s, replay on %s",
-                rank.rank,
-                rank.publisher.endpoint,
-                rank.publisher.replay_endpoint or "(off)",
+                pipeline.rank,
+                publisher.endpoint,
+                publisher.replay_endpoint or "(off)",
             )
-            if rank.publisher.replay is not None:
-                self._add_reader(loop, rank.publisher.replay, _replay_pump(rank.publisher))
-        self._add_reader(loop, self._control, self._serve_control)
+            publisher.start()
+        self.control.start()
         await self._start_metrics()
-        self._tasks.append(asyncio.create_task(self._drain_loop(), name="kvpubd-drain"))
-        self._tasks.append(asyncio.create_task(self._reaper.run(), name="kvpubd-reaper"))
+        self._cap_connections()
+        self._spawn(self._drain_loop(), DRAIN_TASK)
+        self._spawn(self._reaper.run(), "reaper")
         log.info(
-            "ready: %d rank(s), %d blocks of %d bytes each, control on %s",
-            len(self.ranks),
+            "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
+            len(self.pipelines),
             self.settings.cache.num_blocks,
             self.settings.cache.block_bytes,
             self.control_endpoint,
+            resources.fd_limit(),
         )
         # Everything built so far lives as long as the daemon: the per-block lists of every
         # index among it. Out of the collector's reach, a full collection no longer walks them
         # (a pause that grew with the pool and landed on whichever reset came next).
         gc.freeze()
+        self.ready = True
         self._notify_ready()
 
     async def main_loop(self) -> None:
+        """Wait for an exit request, or for a background task to die."""
         await self._exit.wait()
 
     async def shutdown(self) -> None:
+        """Stop everything that started; each step runs even if an earlier one failed."""
         self._notifier.stopping("stopping")
-        loop = asyncio.get_running_loop()
-        for fd in self._readers:
-            loop.remove_reader(fd)
-        self._readers = []
-        for task in self._tasks:
+        for pipeline in self.pipelines:
+            pipeline.publisher.stop()
+        for guard in self._caps:
+            _attempt(f"{guard.name} connection cap", guard.close)
+        self._caps = []
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        if self.metrics is not None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
             await self.metrics.close()
-        if self._control is not None:  # stop taking requests first
-            self._control.close(linger=0)
-            self._control = None
-            self._unlink_control_socket()
-        for rank in self.ranks:
-            seq = rank.flush()
+        except Exception:
+            log.exception("shutdown: metrics endpoint failed")
+        if self.control is not None:  # stop taking requests first
+            _attempt("control socket", self.control.close)
+            self.control = None
+        for pipeline in self.pipelines:
+            seq = _attempt(f"rank {pipeline.rank} last batch", pipeline.flush)
             if seq is not None:
-                log.info("rank %d: published the last batch, seq %d", rank.rank, seq)
-        for rank in self.ranks:
-            rank.publisher.close()
-            rank.cache.pool.close()
-        if self._curve is not None:
-            self._curve.stop()
-            self._curve = None
+                log.info("rank %d: published the last batch, seq %d", pipeline.rank, seq)
+        for pipeline in self.pipelines:
+            _attempt(f"rank {pipeline.rank} close", pipeline.close)
         if self._context is not None:
             # Closes what a failed start-up left open, then waits up to each socket's linger
             # (linger_ms for PUB) for queued messages to reach subscribers.
-            self._context.destroy()
+            _attempt("zmq context", self._context.destroy)
             self._context = None
-        log.info("stopped")
+        # Last, so that no second daemon can start before this one let go of everything.
+        if self._lock is not None:
+            _attempt("endpoint lock", self._lock.release)
+            self._lock = None
+        remove_dirs(self._created_dirs)
+        if self.ready:  # a daemon that never started does not say it stopped
+            log.info("stopped")
         self._notifier.close()
 
-    def _add_reader(
-        self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, drain: Callable
-    ) -> None:
-        fd = sock.getsockopt(zmq.FD)
-        loop.add_reader(fd, drain)
-        self._readers.append(fd)
-        # Anything that arrived before the reader existed would not wake it.
-        loop.call_soon(drain)
+    def _lock_endpoint(self) -> None:
+        endpoint = self.settings.control.endpoint
+        path = lock_path(endpoint, default_runtime_dir())
+        if path is None:
+            return
+        self._created_dirs = make_parents(path)
+        try:
+            self._lock = EndpointLock.acquire(endpoint, path)
+        except EndpointInUse as exc:
+            raise StartupError(str(exc)) from None
+
+    def _cap_connections(self) -> None:
+        """Share the fds left after start-up (less a reserve) among the TCP listeners, so that
+        no flood of connections can use up the last one (see conn_cap)."""
+        assert self.control is not None and self.control.socket is not None
+        listeners = [(self.control.socket, self.control_endpoint, "control")]
+        for pipeline in self.pipelines:
+            publisher = pipeline.publisher
+            listeners.append((publisher.pub, publisher.endpoint, f"rank {pipeline.rank} events"))
+            if publisher.replay is not None:
+                listeners.append(
+                    (publisher.replay, publisher.replay_endpoint, f"rank {pipeline.rank} replay")
+                )
+        metrics_on = bool(self.settings.metrics.port)
+        cap = resources.fd_budget(len(listeners) + metrics_on)
+        loop = asyncio.get_running_loop()
+        for sock, bound, name in listeners:
+            guard = ConnectionCap.create(sock, bound, cap, name)
+            if guard is not None:
+                guard.start(loop)
+                self._caps.append(guard)
+        if metrics_on:
+            self.metrics.max_connections = cap  # type: ignore[attr-defined]
+        log.debug(
+            "connections: at most %d per TCP listener (%d fds open, limit %d)",
+            cap,
+            resources.open_fds(),
+            resources.fd_limit(),
+        )
+
+    # -- background tasks ------------------------------------------------------------------
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=f"kvpubd {name}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._exit.is_set():
+            return
+        failure = task.exception() or RuntimeError("returned")
+        log.critical("%s died: %r; stopping", task.get_name(), failure, exc_info=failure)
+        self._failure = failure
+        self._failure_task = task.get_name()
+        # Stop the watchdog pings at once: systemd must see a daemon that no longer works.
+        for other in self._tasks:
+            if other.get_name() == "kvpubd watchdog":
+                other.cancel()
+        self._exit.set()
 
     async def _start_metrics(self) -> None:
-        if self.metrics is None:
-            return
         host, port = self.settings.metrics.host, self.settings.metrics.port
+        if not port:
+            return
         try:
             url = await self.metrics.start(host, port)
         except OSError as exc:
@@ -280,13 +322,11 @@ class Service:
         if not self._notifier.enabled:
             return
         self._notifier.ready(
-            f"serving {len(self.ranks)} rank(s), control on {self.control_endpoint}"
+            f"serving {len(self.pipelines)} rank(s), control on {self.control_endpoint}"
         )
         interval = watchdog_interval()
         if interval is not None:
-            self._tasks.append(
-                asyncio.create_task(self._watchdog(interval), name="kvpubd-watchdog")
-            )
+            self._spawn(self._watchdog(interval), "watchdog")
         log.info(
             "notified systemd: ready%s",
             f"; watchdog ping every {interval:g} s" if interval is not None else "",
@@ -301,257 +341,37 @@ class Service:
         interval = self.settings.events.tick_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
-            if not self.paused:
-                for rank in self.ranks:
-                    rank.flush(new_tick=True)
-
-    # -- control socket --------------------------------------------------------------------
-
-    def _bind_control(self) -> zmq.Socket:
-        assert self._context is not None
-        endpoint = self.settings.control.endpoint
-        sock = self._context.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        control = self.settings.control
-        if control.curve_secret_key:
-            self._curve = CurveServer(
-                self._context, Path(control.curve_secret_key), Path(control.curve_authorized_keys)
-            )
-            self._curve.apply(sock)
-        # Hard cap well above the protocol limit: larger frames cost a disconnect, not memory.
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.settings.control.max_message_bytes + 1024)
-        path = _ipc_path(endpoint)
-        if path is not None:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # Binding an ipc path silently takes it over from whoever holds it.
-            if path.exists() and _answers_ping(endpoint):
-                raise StartupError(f"control endpoint {endpoint} is in use by a running daemon")
-        old_umask = os.umask(0o077)  # the socket file is created owner-only
-        try:
-            sock.bind(endpoint)
-        finally:
-            os.umask(old_umask)
-        if path is not None:
-            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
-        self.control_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        return sock
-
-    def _unlink_control_socket(self) -> None:
-        path = _ipc_path(self.control_endpoint)
-        if path is not None:
-            path.unlink(missing_ok=True)
-
-    def _serve_control(self) -> None:
-        sock = self._control
-        if sock is None:
-            return
-        for _ in range(CONTROL_BURST):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            reply = self.handle_frames(frames)
-            if reply is not None:
-                sock.send_multipart([frames[0], b"", reply], zmq.NOBLOCK)
-            self._run_after_reply()
-        asyncio.get_running_loop().call_soon(self._serve_control)
-
-    def handle_frames(self, frames: list[bytes]) -> bytes | None:
-        """Answer one ROUTER message ``[identity, b"", request]``; None for unusable framing."""
-        if len(frames) < 2 or frames[1] != b"":
-            log.debug("control: dropped a message without the empty delimiter")
-            return None
-        try:
-            if len(frames) != 3:
-                raise ProtocolError(
-                    "bad_request", f"expected one request frame, got {len(frames) - 2}"
-                )
-            request = parse_request(frames[2], self.settings.control.max_message_bytes)
-        except ProtocolError as exc:
-            if self.metrics is not None:
-                self.metrics.refused(exc.code)
-            return error_reply(exc.request_id, exc.code, exc.message)
-        return self.handle(request)
-
-    def handle(self, request: Request) -> bytes:
-        error_code: str | None = None
-        try:
-            if request.op == "pause" or request.op == "resume":
-                self.paused = request.op == "pause"
-                log.info("periodic drain %s", "paused" if self.paused else "resumed")
-                return ok_reply(request.id, paused=self.paused)
-            return ok_reply(request.id, **self._handlers[type(request)](request))
-        except CacheError as exc:
-            error_code = exc.code
-            return error_reply(request.id, exc.code, exc.message)
-        except Exception as exc:  # a bug: answer it, keep serving
-            error_code = "internal"
-            log.exception("control: %s failed", request.op)
-            return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
-        finally:
-            if self.metrics is not None:
-                self.metrics.control(request.op, error_code)
-
-    def _run_after_reply(self) -> None:
-        work, self._after_reply = self._after_reply, []
-        for step in work:
-            step()
-
-    def _rank(self, rank: int) -> Rank:
-        if rank >= len(self.ranks):
-            raise CacheError(
-                "bad_request", f"rank: {rank} is not served (ranks: {len(self.ranks)})"
-            )
-        return self.ranks[rank]
-
-    # -- operations ------------------------------------------------------------------------
-
-    def _ping(self, request: Ping) -> dict[str, Any]:
-        return {
-            "version": __version__,
-            "epoch": self.epoch,
-            "ranks": len(self.ranks),
-            "endpoints": [
-                {
-                    "rank": r.rank,
-                    "events": r.publisher.endpoint,
-                    "replay": r.publisher.replay_endpoint,
-                }
-                for r in self.ranks
-            ],
-        }
-
-    def _stats(self, request: Stats) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "paused": self.paused,
-            "ranks": [r.stats() for r in self.ranks],
-        }
-
-    def _store(self, request: Store) -> dict[str, Any]:
-        rank = self._rank(request.rank)
-        limit = self.settings.control.max_tokens_per_request
-        if token_count(request.token_ids) > limit:
-            raise CacheError(
-                "too_large",
-                f"token_ids: {token_count(request.token_ids)} tokens; the limit is {limit}",
-            )
-        if any(request.request_id in r.cache.leases for r in self.ranks):
-            raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
-        try:
-            tokens = tokens_array(request.token_ids)
-        except (ValueError, OverflowError) as exc:
-            raise CacheError("bad_request", f"token_ids: {exc}") from None
-        block_ids, cached = rank.cache.store(
-            request.request_id, tokens, request.lora_id, request.lora_name, request.cache_salt
-        )
-        return {"rank": rank.rank, "block_ids": block_ids, "num_cached_tokens": cached}
-
-    def _release(self, request: Release) -> dict[str, Any]:
-        for rank in self.ranks:
-            if request.request_id in rank.cache.leases:
-                return {"rank": rank.rank, "released": rank.cache.release(request.request_id)}
-        raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
-
-    def _reset(self, request: Reset) -> dict[str, Any]:
-        targets = self.ranks if request.rank is None else [self._rank(request.rank)]
-        if not request.force:
-            busy = [r for r in targets if r.cache.leases]
-            if busy:
-                open_requests = sum(len(r.cache.leases) for r in busy)
-                raise CacheError(
-                    "busy",
-                    f"{open_requests} open request(s) pin blocks on rank(s) "
-                    f"{', '.join(str(r.rank) for r in busy)}; release them or pass force",
-                )
-        started = time.perf_counter()
-        markers = []
-        for rank in targets:
-            retired = rank.cache.reset()
-            rank.resets += 1
-            seq = rank.flush() if self.settings.events.flush_on_reset else None
-            markers.append({"rank": rank.rank, "seq": seq})
-            # Tearing down a large index and zeroing blocks wait until the reply is out.
-            self._after_reply.append(rank.cache.pool.scrub_pending)
-            self._reaper.retire(*retired)
-        if self.metrics is not None:
-            self.metrics.reset_done(time.perf_counter() - started)
-        log.info(
-            "reset rank(s) %s in %.0f us: markers %s",
-            ", ".join(str(r.rank) for r in targets),
-            (time.perf_counter() - started) * 1e6,
-            ", ".join(f"{m['rank']}:{m['seq']}" for m in markers),
-        )
-        return {"markers": markers}
-
-    def _snapshot(self, request: Snapshot) -> dict[str, Any]:
-        rank = self._rank(request.rank)
-        # Publish what is captured first, so the snapshot is exactly the state at its seq.
-        rank.flush()
-        wire_format = self.settings.events.wire_format
-        return {
-            "rank": rank.rank,
-            "seq": rank.publisher.last_seq,
-            "epoch": self.epoch,
-            "events": [event_to_wire(e, wire_format) for e in rank.cache.snapshot()],
-        }
-
-    def _pool_info(self, request: PoolInfo) -> dict[str, Any]:
-        rank = self._rank(request.rank)
-        return {"rank": rank.rank, **rank.cache.pool.info()}
-
-    def _checksum(self, request: Checksum) -> dict[str, Any]:
-        rank = self._rank(request.rank)
-        pool = rank.cache.pool
-        if len(request.block_ids) > pool.num_blocks:
-            raise CacheError("too_large", f"block_ids: at most {pool.num_blocks} ids")
-        bad = [b for b in request.block_ids if b >= pool.num_blocks]
-        if bad:
-            raise CacheError(
-                "bad_request", f"block_ids: {bad[0]} is not a block (pool has {pool.num_blocks})"
-            )
-        return {"rank": rank.rank, "checksums": pool.checksum(request.block_ids)}
+            paused = self.operations.paused
+            for pipeline in self.pipelines:
+                if not paused:
+                    pipeline.flush(new_tick=True)
+                # Also while paused: the daemon is alive, and a consumer learns the last seq.
+                pipeline.publisher.heartbeat()
+                pipeline.compact()
 
 
-class StartupError(RuntimeError):
-    """The daemon cannot start as configured."""
+def _attempt(what: str, step: Callable[[], Any]) -> Any:
+    """Run one shutdown step; a failure is logged and the next step still runs."""
+    try:
+        return step()
+    except Exception:
+        log.exception("shutdown: %s failed", what)
+        return None
 
 
-def _create_metrics(service: Service) -> Metrics:
+def _create_metrics(service: Service) -> MetricsHooks:
     from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
 
-    return Metrics(lambda: service.ranks, lambda: service.paused)
+    return Metrics(lambda: service.pipelines, lambda: service.paused, service.health)
 
 
-def _answers_ping(endpoint: str) -> bool:
-    from kvpubd.client import ControlClient, ControlTimeout
-
-    with ControlClient(endpoint, timeout=0.5) as client:
-        try:
-            client.ping()
-        except ControlTimeout:
-            return False
-        return True
-
-
-def _replay_pump(publisher: Publisher) -> Callable[[], None]:
-    """Reader callback for a replay socket: serve replays a chunk at a time, coming back on a
-    later loop turn while any remain, so resets and ticks never wait behind a long replay."""
-    loop = asyncio.get_running_loop()
-
-    def pump() -> None:
-        if publisher.handle_replay():
-            loop.call_soon(pump)
-
-    return pump
-
-
-def _ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
-
-
-def run(settings: Settings) -> None:
+def run(
+    settings: Settings,
+    reload_settings: Callable[[], Settings] | None = None,
+    start_lines: list[str] | None = None,
+) -> None:
     """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
-    service = Service(settings)
+    service = Service(settings, reload_settings, start_lines)
     if settings.service.loop == "uvloop":
         try:
             import uvloop

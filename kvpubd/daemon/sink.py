@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvpubd.daemon.published import PublishedRecord
 from kvpubd.protocol.wire import (
     AllBlocksCleared,
     BlockExtraKeys,
@@ -83,8 +84,8 @@ class EventSink:
         self._pending: list[Event] = []
         self._budget = max_events_per_tick
         # Published and not yet removed, in publication order (parents before children).
-        self.published: dict[int, None] = {}
-        self.dropped_stores = 0
+        self.published = PublishedRecord()
+        self.dropped_stored_blocks = 0
 
     @property
     def pending_count(self) -> int:
@@ -105,16 +106,14 @@ class EventSink:
         A run under an unpublished parent is not published at all (its parent's store was
         dropped); otherwise as many blocks as the tick's budget allows, the rest dropped."""
         if parent_block is not None and parent_block not in self.published:
-            self.dropped_stores += len(block_ids)
+            self.dropped_stored_blocks += len(block_ids)
             return
         count = min(len(block_ids), self._budget)
-        self.dropped_stores += len(block_ids) - count
+        self.dropped_stored_blocks += len(block_ids) - count
         if count == 0:
             return
         self._budget -= count
-        self.published.update(
-            dict.fromkeys(block_ids[:count] if count < len(block_ids) else block_ids)
-        )
+        self.published.add(block_ids[:count] if count < len(block_ids) else block_ids)
         self._pending.append(
             stored_event(
                 hashes=hashes[:count],
@@ -129,19 +128,17 @@ class EventSink:
 
     def removed(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
         """Capture removals; only blocks whose store was published are named."""
-        pop = self.published.pop
-        named = [
-            h for block_id, h in zip(block_ids, hashes, strict=True) if pop(block_id, 0) is None
-        ]
+        discard = self.published.discard
+        named = [h for block_id, h in zip(block_ids, hashes, strict=True) if discard(block_id)]
         if named:
             self._pending.append(BlockRemoved(block_hashes=named, medium=self.medium))
 
-    def cleared(self) -> dict[int, None]:
+    def cleared(self) -> PublishedRecord:
         """Append the reset marker after everything captured; it never counts against the cap.
         Forget what was published, so a repopulated prefix is reported again. Returns the old
         record, whose deallocation (O(blocks)) the caller may defer past the reset reply."""
         self._pending.append(AllBlocksCleared())
-        old, self.published = self.published, {}
+        old, self.published = self.published, PublishedRecord()
         self._budget = self.max_events_per_tick
         return old
 

@@ -8,15 +8,24 @@ keys are."""
 
 from __future__ import annotations
 
+import errno
+import inspect
 import logging
+import stat
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)
+
+
+_Z85_CHARS = set(zmq.utils.z85.Z85CHARS)
 
 
 class AuthError(ValueError):
@@ -49,16 +58,23 @@ class CurveServer:
         self.public, self._secret = load_secret_certificate(secret_file)
         if not authorized_dir.is_dir():
             raise AuthError(f"{authorized_dir}: not a directory of client public keys")
-        self._authenticator = ThreadAuthenticator(context, log=log)
+        self.authorized_dir = authorized_dir
+        self._authenticator = _LoggingAuthenticator(context, log=log)
         self._authenticator.start()
-        self._authenticator.configure_curve(domain="*", location=str(authorized_dir))
-        clients = sorted(authorized_dir.glob("*.key"))
+        count = self.reload()
         log.info(
             "control: CURVE on, server key %s, %d authorised client key(s) in %s",
             self.public.decode(),
-            len(clients),
+            count,
             authorized_dir,
         )
+
+    def reload(self) -> int:
+        """Read the authorised keys again (SIGHUP); returns how many there are. AuthError
+        leaves the keys loaded before in force."""
+        count = len(authorized_keys(self.authorized_dir))
+        self._authenticator.configure_curve(domain="*", location=str(self.authorized_dir))
+        return count
 
     def apply(self, sock: zmq.Socket) -> None:
         sock.curve_secretkey = self._secret
@@ -67,6 +83,50 @@ class CurveServer:
 
     def stop(self) -> None:
         self._authenticator.stop()
+
+
+# At most one "rejected" line per interval; the rest are counted into the next one.
+REJECT_LOG_INTERVAL_S = 10.0
+
+
+class _LoggingAuthenticator(ThreadAuthenticator):
+    """pyzmq's authenticator, warning about clients whose key is not authorised
+    (rate-limited: a client retrying in a loop must not flood the log)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._next_log = 0.0
+        self._suppressed = 0
+
+    def _authenticate_curve(self, domain: str, client_key: bytes) -> Any:  # type: ignore[override]
+        # A coroutine in recent pyzmq, a plain result in older ones: pass on whichever it is.
+        result = super()._authenticate_curve(domain, client_key)
+        if not inspect.isawaitable(result):
+            return self._checked(result, client_key)
+
+        async def checked() -> tuple[bool, bytes]:
+            return self._checked(await result, client_key)
+
+        return checked()
+
+    def _checked(self, result: tuple[bool, bytes], client_key: bytes) -> tuple[bool, bytes]:
+        if not result[0]:
+            self._rejected(zmq.utils.z85.encode(client_key).decode())
+        return result
+
+    def _rejected(self, client_key: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next_log:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed = self._suppressed, 0
+            self._next_log = now + REJECT_LOG_INTERVAL_S
+        more = f" (and {suppressed} more since the last such line)" if suppressed else ""
+        log.warning(
+            "control: rejected a CURVE client whose key %s is not authorised%s", client_key, more
+        )
 
 
 def apply_curve_client(sock: zmq.Socket, secret_file: Path, server_public_file: Path) -> None:
@@ -87,14 +147,42 @@ def check_curve_settings(control: Any) -> None:
         load_secret_certificate(Path(control.curve_secret_key))
     except AuthError as exc:
         raise ConfigError(f"control.curve_secret_key: {exc}") from None
-    if not Path(control.curve_authorized_keys).is_dir():
+    secret = Path(control.curve_secret_key)
+    mode = secret.stat().st_mode
+    if mode & 0o077:
         raise ConfigError(
-            f"control.curve_authorized_keys: {control.curve_authorized_keys} is not a directory"
+            f"control.curve_secret_key: {secret} is open to group or others (mode "
+            f"{stat.S_IMODE(mode):04o}); chmod 600 {secret}"
         )
+    authorized = Path(control.curve_authorized_keys)
+    if not authorized.is_dir():
+        raise ConfigError(f"control.curve_authorized_keys: {authorized} is not a directory")
+    try:
+        authorized_keys(authorized)
+    except AuthError as exc:
+        raise ConfigError(f"control.curve_authorized_keys: {exc}") from None
 
 
-def create_keys(directory: Path, name: str) -> tuple[Path, Path]:
-    """Write ``name.key`` (public) and ``name.key_secret`` (owner-only) into ``directory``."""
+def authorized_keys(directory: Path) -> list[bytes]:
+    """The public keys of every ``*.key`` certificate in ``directory``; AuthError naming the
+    first file that is not one (pyzmq would skip it, and lock its client out silently)."""
+    keys = []
+    for path in sorted(directory.glob("*.key")):
+        public = load_public_certificate(path)
+        if len(public) != 40 or not set(public) <= _Z85_CHARS:
+            raise AuthError(f"{path}: its public key is not a 40-character Z85 CURVE key")
+        keys.append(public)
+    return keys
+
+
+def create_keys(directory: Path, name: str, force: bool = False) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` (owner-only) into ``directory``.
+    Existing files raise FileExistsError unless ``force``: replacing the secret key locks out
+    every client that trusts the old public key."""
+    if not force:
+        for existing in (directory / f"{name}.key", directory / f"{name}.key_secret"):
+            if existing.exists():
+                raise FileExistsError(errno.EEXIST, "exists", str(existing))
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     public, secret = zmq.auth.create_certificates(directory, name)
     Path(secret).chmod(0o600)

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
-import os
+import difflib
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvpubd.protocol.endpoints import (
+    CLIENT_ENV,
+    ENV_PREFIX,
+    check_endpoint,
+    default_control_endpoint,
+    default_runtime_dir,
+    rank_endpoint,
+    tcp_port,
+)
+
+__all__ = [
+    "ConfigError",
+    "Settings",
+    "ValidationError",
+    "check_endpoint",
+    "default_control_endpoint",
+    "default_runtime_dir",
+    "load_settings",
+    "rank_endpoint",
+    "tcp_port",
+]
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,18 +42,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 MAX_RANKS = 64
 # Bytes per element of each supported KV dtype; the pool itself is raw bytes.
 DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "uint8": 1}
-
-
-def default_runtime_dir() -> Path:
-    """Owner-only directory for the control socket: $XDG_RUNTIME_DIR/kvpubd or /tmp/kvpubd-<uid>."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    if base:
-        return Path(base) / "kvpubd"
-    return Path(f"/tmp/kvpubd-{os.getuid()}")
-
-
-def default_control_endpoint() -> str:
-    return f"ipc://{default_runtime_dir() / 'control.sock'}"
 
 
 class ConfigError(ValueError):
@@ -59,6 +70,15 @@ class EventsConfig(_Section):
     flush_on_reset: bool = True
     # Replays streamed at once per rank; more requests get no answer and are retried.
     max_replays: int = Field(64, ge=1, le=10_000)
+    # A replay from before the oldest retained batch starts with one batch holding
+    # AllBlocksCleared and the whole cache; off: it gets only what the ring holds.
+    replay_snapshot: bool = True
+    # First seq of each run: "clock" (wall clock in microseconds: a restart is a forward jump,
+    # which consumers that keep the last seq they applied follow) or "zero" (every run at 0).
+    seq_origin: Literal["clock", "zero"] = "clock"
+    # An idle rank publishes an empty batch after this long without one (0: never), so a
+    # consumer that missed a batch or joined an idle daemon finds out within one interval.
+    heartbeat_ms: int = Field(2000, ge=0, le=3_600_000)
 
     @field_validator("endpoint")
     @classmethod
@@ -75,6 +95,9 @@ class ControlConfig(_Section):
     endpoint: str = Field(default_factory=default_control_endpoint)
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_tokens_per_request: int = Field(1_000_000, ge=1)
+    # New blocks one store may add: its work runs in one loop step (about 3 us per block),
+    # so this bounds how long a store can hold a reset back.
+    max_blocks_per_store: int = Field(16_384, ge=1)
     # CURVE authentication: the daemon's secret certificate and a directory of the public
     # certificates of the clients it admits (both, or neither for no authentication).
     curve_secret_key: str = ""
@@ -120,11 +143,25 @@ class CacheConfig(_Section):
         return per_token * self.block_size * DTYPE_SIZES[self.dtype]
 
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
+
+
+def check_log_level(value: object) -> object:
+    """A log level in any case (``INFO``, ``Debug``) as the lower-case name."""
+    return value.lower() if isinstance(value, str) else value
+
+
 class ServiceConfig(_Section):
     loop: Literal["uvloop", "asyncio"] = "uvloop"
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = "info"
     # How long shutdown waits for ZeroMQ to hand queued messages to subscribers.
     linger_ms: int = Field(2000, ge=0)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: object) -> object:
+        return check_log_level(value)
 
 
 class MetricsConfig(_Section):
@@ -188,33 +225,11 @@ class Settings(BaseSettings):
         return "CPU" if self.cache.device == "cpu" else "GPU"
 
 
-def check_endpoint(value: str) -> str:
-    if not re.match(r"^(tcp|ipc|inproc)://.+", value):
-        raise ValueError(f"{value!r} is not a ZeroMQ endpoint (tcp://, ipc:// or inproc://)")
-    if value.startswith("tcp://") and tcp_port(value) is None:
-        raise ValueError(f"{value!r} needs a numeric port (tcp://host:port)")
-    return value
-
-
-def tcp_port(endpoint: str) -> int | None:
-    """The port of a tcp endpoint, or None for ipc/inproc and unparseable ports."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    _, _, port = endpoint.rpartition(":")
-    return int(port) if port.isdigit() and 0 < int(port) <= 65535 else None
-
-
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """Per-rank endpoint: tcp gets base_port + rank, ipc/inproc get the suffix _dp<rank>."""
-    port = tcp_port(endpoint)
-    if port is not None:
-        host = endpoint.rpartition(":")[0]
-        return f"{host}:{port + rank}"
-    return f"{endpoint}_dp{rank}"
-
-
-def load_settings(path: Path | None = None) -> Settings:
-    """Read the TOML file (if any), apply KVPUBD_* overrides, validate; raise ConfigError."""
+def load_settings(
+    path: Path | None = None, overrides: dict[str, dict[str, Any]] | None = None
+) -> Settings:
+    """Read the TOML file (if any), apply ``overrides`` (section -> key -> value) over it, then
+    KVPUBD_* environment variables over both; validate; raise ConfigError."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -226,20 +241,65 @@ def load_settings(path: Path | None = None) -> Settings:
             raise ConfigError(f"config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    for section, values in (overrides or {}).items():
+        current = data.get(section)
+        data[section] = {**(current if isinstance(current, dict) else {}), **values}
     try:
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
 
 
+def log_level_option(value: str) -> str:
+    """``serve --log-level``, checked like ``service.log_level``; ConfigError otherwise."""
+    level = check_log_level(value)
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level: {value!r} is not one of {', '.join(LOG_LEVELS)}")
+    return str(level)
+
+
 def describe_validation_error(exc: ValidationError) -> str:
-    """One line: the first problem, naming its dotted key."""
-    first = exc.errors()[0]
-    key = ".".join(str(part) for part in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    extra = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    if not key:
-        return f"{message}{extra}"
-    if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    return f"{key}: {message}{extra}"
+    """One line naming every problem by its dotted key (a whole section by its name)."""
+    return "; ".join(_describe(error) for error in exc.errors())
+
+
+def _describe(error: Any) -> str:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc)
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown section" if len(loc) == 1 else "unknown key"
+    elif error["type"] == "model_type" and len(loc) == 1:
+        message = f"must be a section ([{key}] in TOML), not {error['input']!r}"
+    return f"{key}: {message}" if key else message
+
+
+def _known_env() -> list[str]:
+    """Every KVPUBD_<SECTION>__<KEY> the daemon reads."""
+    return [
+        f"{ENV_PREFIX}{section}__{key}".upper()
+        for section, field in Settings.model_fields.items()
+        for key in field.annotation.model_fields  # type: ignore[union-attr]
+    ]
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """The KVPUBD_* variables set that override a setting."""
+    known = set(_known_env())
+    return sorted(name for name in environ if name.upper() in known)
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """One warning per KVPUBD_* variable nobody reads (a typo: it would be silently ignored).
+    A bad key inside a known section is left to validation, which refuses it."""
+    known = _known_env()
+    sections = tuple(f"{ENV_PREFIX}{s}__".upper() for s in Settings.model_fields)
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(ENV_PREFIX) or upper in CLIENT_ENV or upper.startswith(sections):
+            continue
+        close = difflib.get_close_matches(upper, [*known, *CLIENT_ENV], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.append(f"ignoring unknown variable {name}{hint}")
+    return warnings

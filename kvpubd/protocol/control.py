@@ -11,7 +11,17 @@ from typing import Annotated, Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-RequestId = Annotated[str | int, Field(union_mode="left_to_right")]
+# Limits on what one request may carry: far above any honest client, low enough that no field
+# can make a request (or the per-block data it leaves behind) expensive.
+MAX_REQUEST_ID_CHARS = 256
+MAX_LORA_NAME_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
+I64 = Annotated[int, Field(ge=-(1 << 63), lt=1 << 63)]
+
+RequestId = Annotated[
+    Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS)] | I64,
+    Field(union_mode="left_to_right"),
+]
 Rank = Annotated[int, Field(ge=0)]
 
 
@@ -34,9 +44,9 @@ class Store(_Request):
     # A list of ints, or bytes of packed little-endian uint32 (no per-token decoding).
     token_ids: list[int] | bytes
     rank: Rank = 0
-    lora_id: int | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None
+    lora_id: I64 | None = None
+    lora_name: Annotated[str, Field(max_length=MAX_LORA_NAME_CHARS)] | None = None
+    cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
 
 class Release(_Request):

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvpubd.exits import USAGE, check_positive, fail, warn
 from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
@@ -70,33 +71,44 @@ class ResetProbe:
         )
         return self._ids
 
-    def recv_reply(self) -> dict[str, Any]:
-        if not self.control.poll(60_000):
-            raise TimeoutError("the daemon did not answer within 60 s")
-        reply = msgpack.unpackb(self.control.recv_multipart()[-1], raw=False)
+    def recv_reply(self, request_id: int | None = None, timeout: float = 60.0) -> dict[str, Any]:
+        """The next reply (to ``request_id`` if given: a late one to an abandoned request is
+        skipped); TimeoutError after ``timeout`` s without it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.control.poll(int(left * 1000)):
+                raise TimeoutError(f"the daemon did not answer within {timeout:g} s")
+            reply = msgpack.unpackb(self.control.recv_multipart()[-1], raw=False)
+            if request_id is None or reply.get("id") == request_id:
+                break
         if not reply.get("ok"):
             raise RuntimeError(f"daemon refused a bench request: {reply.get('error')}")
         return reply
 
-    def wait_connected(self) -> None:
+    def wait_connected(self, timeout: float = 30.0) -> None:
         """The SUB is live once it receives the batch of a reset sent after connecting."""
-        while True:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             self.client.reset(force=True)
             if self.sub.poll(200):
                 while self.sub.poll(50):
                     self.sub.recv_multipart()
                 return
+        raise TimeoutError(f"no reset marker reached the subscriber within {timeout:g} s")
 
-    def populate(self, blocks: int, round_no: int) -> None:
-        """Cache ``blocks`` full blocks (8k-token prompts, pipelined), then unpin them."""
+    def populate(self, blocks: int, round_no: int, rank: int = 0) -> None:
+        """Cache ``blocks`` full blocks on ``rank`` (8k-token prompts, pipelined, as packed
+        uint32), then unpin them."""
         per_prompt = PROMPT_TOKENS // 16
         prompts = -(-blocks // per_prompt)
-        rng = np.random.default_rng(round_no)
+        rng = np.random.default_rng((round_no, rank))
         sent = 0
         for i in range(prompts):
             size = min(per_prompt, blocks - i * per_prompt) * 16
-            tokens = rng.integers(0, 1 << 31, size=size).tolist()
-            self.send("store", request_id=f"bench-{i}", token_ids=tokens)
+            tokens = rng.integers(0, 1 << 31, size=size, dtype=np.uint32)
+            packed = tokens.astype("<u4").tobytes()
+            self.send("store", request_id=f"bench-{i}", token_ids=packed, rank=rank)
             sent += 1
         for _ in range(sent):
             self.recv_reply()
@@ -106,25 +118,41 @@ class ResetProbe:
             self.recv_reply()
         # Let the drain loop publish everything captured, and read it, so a reset's batch
         # holds the marker alone.
-        while self.client.stats()["ranks"][0]["events_pending"]:
+        while self.client.stats().ranks[rank].events_pending:
             self.drain_sub(0.01)
 
     def drain_sub(self, quiet_s: float) -> None:
         while self.sub.poll(int(quiet_s * 1000)):
             self.sub.recv_multipart()
 
-    def time_reset(self) -> tuple[int, int]:
-        """(reset sent -> marker received, reset sent -> reply received), in ns."""
+    def try_reset(self, timeout: float, **fields: Any) -> tuple[int | None, int | None, int]:
+        """Send a reset; (reset sent -> marker received, reset sent -> reply received) in ns,
+        None for what did not come within ``timeout`` s; and the reset's request id."""
         start = time.perf_counter_ns()
-        self.send("reset", force=True)
-        while True:
+        deadline = time.monotonic() + timeout
+        request_id = self.send("reset", force=True, **fields)
+        marker = reply = None
+        while marker is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sub.poll(max(1, int(left * 1000))):
+                return None, None, request_id
             frames = self.sub.recv_multipart()
             events = msgpack.unpackb(frames[2], raw=False)[1]
             if any(_is_marker(e) for e in events):
                 marker = time.perf_counter_ns() - start
-                break
-        self.recv_reply()
-        return marker, time.perf_counter_ns() - start
+        try:
+            self.recv_reply(request_id, max(0.001, deadline - time.monotonic()))
+            reply = time.perf_counter_ns() - start
+        except TimeoutError:
+            pass
+        return marker, reply, request_id
+
+    def time_reset(self, timeout: float = 60.0, **fields: Any) -> tuple[int, int]:
+        """(reset sent -> marker received, reset sent -> reply received), in ns."""
+        marker, reply, _ = self.try_reset(timeout, **fields)
+        if marker is None or reply is None:
+            raise TimeoutError(f"a reset was not published and answered within {timeout:g} s")
+        return marker, reply
 
 
 def _is_marker(event: Any) -> bool:
@@ -241,11 +269,214 @@ def measure_resets(
     return results
 
 
+# Fewer resets per size than this give percentiles that mean little.
+MIN_RESETS = 100
+
+
+def _cache_sizes(text: str) -> list[int]:
+    """``--sizes``: comma-separated block counts >= 0 (at least one)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise fail(f"--sizes: {text!r} is not a comma-separated list of block counts >= 0", USAGE)
+    return [int(part) for part in parts]
+
+
+def _check_device(device: str) -> None:
+    """``--device``: cpu, or cuda:N with CuPy and that GPU here (one line otherwise)."""
+    from kvpubd.daemon.pool import check_device
+    from kvpubd.protocol.config import CacheConfig, ValidationError
+
+    try:
+        CacheConfig(device=device)
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise fail(f"--device: {message}", USAGE) from None
+    try:
+        check_device(device)
+    except ValueError as exc:
+        raise fail(f"--device: {exc}", USAGE) from None
+
+
+def _reset_phase(
+    probe: ResetProbe,
+    size: int,
+    rounds: int,
+    reset_timeout: float,
+    idle_ms: float,
+    load: Any = None,
+    progress: Progress | None = None,
+    label: str = "",
+) -> dict[str, Any]:
+    """``rounds`` resets of rank 0 holding ``size`` blocks: the daemon idle for ``idle_ms``
+    before each, or, with ``load``, each sent while an operation of the load is in progress
+    (at a random offset up to ``idle_ms`` after it started). A reset not published within
+    ``reset_timeout`` counts as that long and as a timeout; one never answered ends the
+    phase (what came after it could not be told apart)."""
+    rng = np.random.default_rng(size)
+    markers: list[int] = []
+    replies: list[int] = []
+    out: dict[str, Any] = {"timeouts": 0, "load_idle_rounds": 0}
+    task = progress.add_task(label, total=rounds) if progress is not None else None
+    try:
+        for round_no in range(rounds):
+            if load is not None:
+                load.hold()
+            if size:
+                probe.populate(size, round_no)
+            if load is None:
+                probe.drain_sub(idle_ms / 1000)
+            else:
+                before = load.ops
+                load.run()
+                if not load.wait_active(before, reset_timeout):
+                    out["load_idle_rounds"] += 1
+                time.sleep(float(rng.uniform(0, idle_ms)) / 1000)
+            marker, reply, request_id = probe.try_reset(reset_timeout, rank=0)
+            if marker is None or reply is None:
+                out["timeouts"] += 1
+                markers.append(marker or int(reset_timeout * 1e9))
+                replies.append(int(reset_timeout * 1e9))
+                # Its reply (and marker) may still come: wait for them before the next round.
+                probe.recv_reply(request_id, timeout=max(60.0, 2 * reset_timeout))
+                probe.drain_sub(0.2)
+            else:
+                markers.append(marker)
+                replies.append(reply)
+            if task is not None and progress is not None:
+                progress.advance(task)
+    except (TimeoutError, RuntimeError) as exc:
+        out["error"] = str(exc)
+    finally:
+        if load is not None:
+            load.hold()
+    return {**summary(markers), "reply": summary(replies), **out}
+
+
+def measure_under(
+    load_name: str,
+    sizes: list[int],
+    resets: int,
+    progress: Progress,
+    device: str = "cpu",
+    idle_ms: float = 20.0,
+    reset_timeout: float = 30.0,
+    snapshot_blocks: int = 200_000,
+    flood_processes: int = 4,
+    idle_connections: int = 2000,
+) -> dict[str, Any]:
+    """Reset -> marker at each size on an idle daemon, then on the same daemon while
+    ``load_name`` runs in other processes against its rank 1 (or its ports)."""
+    from kvpubd.protocol.config import ControlConfig
+    from kvpubd.tools.bench_load import Load, LoadSpec
+    from kvpubd.tools.launcher import free_tcp_ports
+
+    # The largest store the daemon allows by default (block_size 16).
+    limits = ControlConfig()
+    store_tokens = min(limits.max_tokens_per_request, limits.max_blocks_per_store * 16)
+    load_blocks = {"snapshot": snapshot_blocks, "big-store": 2 * store_tokens // 16}
+    num_blocks = max([*sizes, load_blocks.get(load_name, 0), 1024]) + 1024
+    overrides: dict[str, dict[str, Any]] = {
+        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, "device": device},
+        # Rank 0 is reset and measured; rank 1 carries the load's cache.
+        "events": {"buffer_steps": 1000},
+        "service": {"log_level": "warning"},
+    }
+    overrides["cache"]["data_parallel_size"] = 2
+    results: dict[str, Any] = {"under": load_name, "sizes": {}}
+    daemon = _start_with_free_ports(overrides, free_tcp_ports)
+    probe = ResetProbe(daemon)
+    try:
+        probe.wait_connected()
+        if load_name == "snapshot":
+            probe.populate(snapshot_blocks, 0, rank=1)
+        # Refilling a large cache before every reset is slow: fewer rounds there.
+        rounds = {s: resets if s == 0 else min(resets, max(10, 2_000_000 // s)) for s in sizes}
+        for size in sizes:
+            results["sizes"][str(size)] = {
+                "idle": _reset_phase(
+                    probe,
+                    size,
+                    rounds[size],
+                    reset_timeout,
+                    idle_ms,
+                    progress=progress,
+                    label=f"idle: {size:>9,} blocks",
+                )
+            }
+        spec = LoadSpec(
+            load_name,
+            control_endpoint=daemon.control_endpoint,
+            replay_endpoint=daemon.replay_endpoint,
+            events_endpoint=daemon.events_endpoint,
+            metrics_port=int(daemon.settings["metrics"]["port"]),
+            snapshot_blocks=snapshot_blocks,
+            store_tokens=store_tokens,
+            flood_processes=flood_processes,
+            idle_connections=idle_connections,
+        )
+        with Load(spec) as load:
+            if not load.wait_ready(60):
+                results["load_error"] = "the load processes did not start within 60 s"
+            for size in sizes:
+                results["sizes"][str(size)]["loaded"] = _reset_phase(
+                    probe,
+                    size,
+                    rounds[size],
+                    reset_timeout,
+                    idle_ms,
+                    load,
+                    progress=progress,
+                    label=f"under {load_name}: {size:>9,} blocks",
+                )
+        results["load"] = load.results
+    finally:
+        probe.close()
+        results["daemon"] = _stop_and_report(daemon)
+    return results
+
+
+def _start_with_free_ports(
+    overrides: dict[str, dict[str, Any]], free_tcp_ports: Any
+) -> DaemonProcess:
+    """A tcp daemon with metrics on; ports are picked at random, so a clash (two ranks take
+    base and base + 1) gets a second try with fresh ones."""
+    for attempt in range(3):
+        (metrics_port,) = free_tcp_ports(1)
+        daemon = DaemonProcess({**overrides, "metrics": {"port": metrics_port}}, transport="tcp")
+        try:
+            return daemon.start()
+        except RuntimeError:
+            daemon.cleanup()
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _stop_and_report(daemon: DaemonProcess) -> dict[str, Any]:
+    """Whether the daemon survived the bench, and its exit status on SIGTERM."""
+    alive = daemon.alive()
+    log_tail = "" if alive else daemon.log()[-2000:]
+    try:
+        code = daemon.stop(timeout=30) if alive else daemon.proc.returncode  # type: ignore[union-attr]
+        report: dict[str, Any] = {"alive_at_end": alive, "exit_code": code}
+    except RuntimeError:
+        report = {"alive_at_end": alive, "exit_code": None, "ignored_sigterm": True}
+    finally:
+        daemon.cleanup()
+    if log_tail:
+        report["log_tail"] = log_tail
+    return report
+
+
 @bench_app.command("reset")
 def bench_reset(
     sizes: Annotated[
-        str, typer.Option(help="Cached blocks before each reset, comma-separated.")
-    ] = ("0,10000,100000,1000000"),
+        str | None,
+        typer.Option(
+            help="Cached blocks before each reset, comma-separated.",
+            show_default="0,10000,100000,1000000; with --under 0,100000",
+        ),
+    ] = None,
     resets: Annotated[
         int, typer.Option(help="Resets measured per size (fewer at large sizes).")
     ] = 200,
@@ -254,12 +485,70 @@ def bench_reset(
     ] = False,
     device: Annotated[str, typer.Option(help="Pool device of the daemon: cpu or cuda:N.")] = "cpu",
     idle_ms: Annotated[
-        float, typer.Option(help="Quiet time before each reset (the daemon is idle).")
+        float,
+        typer.Option(
+            help="Quiet time before each reset (the daemon is idle); under a load, the most "
+            "a reset waits after an operation of the load started."
+        ),
     ] = 20.0,
+    under: Annotated[
+        str | None,
+        typer.Option(
+            help="Also time resets while this load runs in other processes: snapshot, "
+            "replay-flood, big-store or idle-conns."
+        ),
+    ] = None,
+    reset_timeout: Annotated[
+        float, typer.Option(help="With --under: a reset slower than this counts as a timeout.")
+    ] = 30.0,
+    snapshot_blocks: Annotated[
+        int, typer.Option(help="With --under snapshot: published blocks the snapshot returns.")
+    ] = 200_000,
+    flood_processes: Annotated[
+        int, typer.Option(help="With --under replay-flood: flooding processes.")
+    ] = 4,
+    idle_connections: Annotated[
+        int, typer.Option(help="With --under idle-conns: TCP connections held open.")
+    ] = 2000,
 ) -> None:
     """Reset sent -> AllBlocksCleared received by a subscriber, idle daemon, at each cache size;
-    beside it the same daemon with the immediate flush off (the marker waits for a tick)."""
-    size_list = [int(s) for s in sizes.split(",") if s.strip()]
+    beside it the same daemon with the immediate flush off (the marker waits for a tick).
+    With --under LOAD: the same, idle, beside the same daemon while LOAD runs."""
+    if under is not None:
+        from kvpubd.tools.bench_load import LOADS
+
+        if under not in LOADS:
+            raise fail(f"--under: {under!r} is not a load; choose from {', '.join(LOADS)}", USAGE)
+    size_list = _cache_sizes(sizes or ("0,100000" if under else "0,10000,100000,1000000"))
+    check_positive("--resets", resets, integer=True)
+    check_positive("--reset-timeout", reset_timeout)
+    if not 0 <= idle_ms < float("inf"):
+        raise fail(f"--idle-ms: {idle_ms} is not a number of milliseconds >= 0", USAGE)
+    _check_device(device)
+    if resets < MIN_RESETS:
+        warn(
+            f"{resets} resets per size is too small a sample for a p99 (or a stable p50); "
+            f"use --resets {MIN_RESETS} or more"
+        )
+    if under is not None:
+        with Progress(console=err, transient=True) as progress:
+            result = measure_under(
+                under,
+                size_list,
+                resets,
+                progress,
+                device,
+                idle_ms,
+                reset_timeout,
+                snapshot_blocks,
+                flood_processes,
+                idle_connections,
+            )
+        if as_json:
+            typer.echo(json.dumps(result))
+        else:
+            Console().print(under_table(result))
+        return
     with Progress(console=err, transient=True) as progress:
         immediate = measure_resets(size_list, resets, True, progress, device, idle_ms)
         baseline = measure_resets(size_list, resets, False, progress, device, idle_ms)
@@ -305,6 +594,29 @@ def bench_reset(
         "",
     )
     Console().print(table)
+
+
+def under_table(result: dict[str, Any]) -> Table:
+    daemon = result["daemon"]
+    table = Table(
+        title=f"reset -> marker received, idle and under {result['under']} (loopback tcp)",
+        caption=f"daemon alive at the end: {daemon['alive_at_end']}, "
+        f"exit code on SIGTERM: {daemon['exit_code']}",
+    )
+    for column in ("cached blocks", "", "n", "p50 us", "p99 us", "max us", "timeouts"):
+        table.add_column(column, justify="right")
+    for size, phases in result["sizes"].items():
+        for phase, row in phases.items():
+            table.add_row(
+                f"{int(size):,}" if phase == "idle" else "",
+                phase,
+                str(row["n"]),
+                f"{row['p50_us']:.0f}",
+                f"{row['p99_us']:.0f}",
+                f"{row['max_us']:.0f}" if row["max_us"] is not None else "",
+                str(row["timeouts"]) + (f" ({row['error']})" if "error" in row else ""),
+            )
+    return table
 
 
 @bench_app.command("kernels")
@@ -438,6 +750,8 @@ def bench_index(
     ] = False,
 ) -> None:
     """Radix index ops/s (store/match/evict mix) and RSS bytes per cached block."""
+    for option, value in (("--blocks", blocks), ("--chain", chain), ("--rounds", rounds)):
+        check_positive(option, value, integer=True)
     with err.status(f"building and exercising an index of {blocks:,} blocks"):
         result = measure_index(blocks, chain, rounds)
     if as_json:
@@ -575,6 +889,12 @@ def bench_publisher(
     """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
     loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB; or, with
     --against-vllm, blocks/s beside vLLM's own publisher."""
+    for option, value in (
+        ("--batches", batches),
+        ("--events-per-batch", events_per_batch),
+        ("--rounds", rounds),
+    ):
+        check_positive(option, value, integer=True)
     if against_vllm:
         _bench_against_vllm(batches, rounds, as_json)
         return
@@ -768,12 +1088,12 @@ def measure_throughput(
                 probe.recv_reply()
                 in_flight -= 1
             sent_all = time.monotonic()
-            stats = probe.client.stats()["ranks"]
-            while any(rank["events_pending"] for rank in stats):
-                stats = probe.client.stats()["ranks"]
+            ranks_stats = probe.client.stats().ranks
+            while any(rank.events_pending for rank in ranks_stats):
+                ranks_stats = probe.client.stats().ranks
             cpu = _cpu_seconds(daemon.proc.pid) - cpu_start
-            for pipe, rank_stats in zip(pipes, stats, strict=True):
-                pipe.send(rank_stats["seq"])
+            for pipe, rank_stats in zip(pipes, ranks_stats, strict=True):
+                pipe.send(rank_stats.seq)
             counted = [result.recv() for result in results]
         finally:
             probe.close()
@@ -793,7 +1113,7 @@ def measure_throughput(
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
         "daemon_cpu_us_per_block": round(cpu / blocks * 1e6, 3) if blocks else None,
-        "dropped_stores": sum(rank["dropped_stores"] for rank in stats),
+        "dropped_stored_blocks": sum(rank.dropped_stored_blocks for rank in ranks_stats),
     }
 
 
@@ -806,9 +1126,7 @@ def bench_throughput(
     num_blocks: Annotated[
         int, typer.Option(help="Pool blocks per rank (evictions when full).")
     ] = 400_000,
-    ranks: Annotated[
-        int, typer.Option(help="Data-parallel ranks; requests go round-robin.", min=1)
-    ] = 1,
+    ranks: Annotated[int, typer.Option(help="Data-parallel ranks; requests go round-robin.")] = 1,
     load_fraction: Annotated[
         list[float] | None,
         typer.Option(
@@ -826,10 +1144,17 @@ def bench_throughput(
     """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
     blocks decoded by a subscriber per rank in other processes: blocks/s, the daemon's CPU
     us per published block, and the gaps the subscribers saw."""
+    for option, value in (
+        ("--requests", requests),
+        ("--window", window),
+        ("--num-blocks", num_blocks),
+        ("--ranks", ranks),
+    ):
+        check_positive(option, value, integer=True)
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(requests, window, num_blocks, ranks)
     if load_fraction:
-        from kvpubd.tools.bench_load import measure_resets_under_load
+        from kvpubd.tools.bench_paced import measure_resets_under_load
 
         with err.status("resets under paced load"):
             result["reset_under_load"] = [
@@ -857,7 +1182,7 @@ def bench_throughput(
         f"{result['daemon_cpu_us_per_block']}",
         f"{result['blocks']:,}",
         str(result["gaps"]),
-        str(result["dropped_stores"]),
+        str(result["dropped_stored_blocks"]),
         f"{result['requests_per_s']:,}",
         f"{result['seconds']:.2f}",
     )

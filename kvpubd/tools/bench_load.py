@@ -1,112 +1,364 @@
-"""Reset latency while the store pipeline runs at a fraction of its measured capacity
-(``kvpubd bench throughput --load-fraction F``)."""
+"""Loads for ``kvpubd bench reset --under LOAD``, each in its own processes (no shared GIL with
+the bench that times resets).
+
+A load runs while its ``go`` event is set and idles while it is clear (the bench clears it to
+refill the cache), and ends when ``stop`` is set; ``ops`` counts operations started, so the
+bench can send its reset while one is in progress. Every wait in here is bounded, so a daemon
+that stops answering never hangs a load process. Each process puts one dict of what it did on
+``results`` as it ends.
+"""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
+import resource
+import selectors
+import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 import zmq
 
-from kvpubd.tools.launcher import DaemonProcess
+LOADS = ("snapshot", "replay-flood", "big-store", "idle-conns")
+# The rank a load works on; the bench resets rank 0 alone, so a load's own cache survives.
+LOAD_RANK = 1
+POLL_MS = 100  # how often a blocked load process looks at stop and go
 
-LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
+
+@dataclass
+class LoadControl:
+    """The shared flags and counters of one load's processes."""
+
+    go: Any
+    stop: Any
+    ops: Any
+    ready: Any  # processes set up (connected, connections opened)
+    results: Any
+
+    def set_ready(self) -> None:
+        with self.ready.get_lock():
+            self.ready.value += 1
 
 
-def _paced_load(control_endpoint: str, rate: float, seconds: float, stop: Any) -> None:
-    """Send store + release pairs at ``rate`` stores/s until ``seconds`` pass or ``stop``
-    says so; refusals (a forced reset drops open requests) are simply counted."""
-    from kvpubd.tools.bench import make_prompts
+@dataclass
+class LoadSpec:
+    """What a load needs to run against one daemon."""
 
-    prompts = make_prompts(500, seed=7)
+    name: str
+    control_endpoint: str
+    replay_endpoint: str
+    events_endpoint: str
+    metrics_port: int
+    snapshot_blocks: int = 200_000
+    store_tokens: int = 1_000_000
+    flood_processes: int = 4
+    idle_connections: int = 2000
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _send_request(sock: zmq.Socket, request: dict[str, Any]) -> None:
+    sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
+
+
+def _await_reply(sock: zmq.Socket, request_id: int, control: LoadControl, timeout: float) -> bool:
+    """True once the reply to ``request_id`` came (ok or not); False on stop or timeout."""
+    deadline = time.monotonic() + timeout
+    while not control.stop.is_set() and time.monotonic() < deadline:
+        if sock.poll(POLL_MS):
+            reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+            if reply.get("id") == request_id:
+                return bool(reply.get("ok"))
+    return False
+
+
+def _request_loop(
+    control: LoadControl,
+    endpoint: str,
+    next_requests: Callable[[int], list[dict[str, Any]]],
+    label: str,
+    reply_timeout: float = 600.0,
+) -> None:
+    """Send the requests of ``next_requests(n)`` one after another, each awaiting its reply,
+    for n = 0, 1, ... while ``go`` is set; time the first request of each round."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(control_endpoint)
-    start = time.monotonic()
-    sent = in_flight = refused = 0
-    while time.monotonic() - start < seconds and not stop.poll(0):
-        due = start + sent / rate
-        now = time.monotonic()
-        if now >= due and in_flight < LOAD_WINDOW:
-            prompt = prompts[sent % len(prompts)]
-            for op, fields in (("store", {"token_ids": prompt}), ("release", {})):
-                request = {"op": op, "id": sent, "request_id": f"load-{sent}", **fields}
-                sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
-            sent += 1
-            in_flight += 2
-        elif sock.poll(max(0, int((due - now) * 1000)) if in_flight < LOAD_WINDOW else 100):
-            reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
-            refused += not reply.get("ok")
-            in_flight -= 1
-    stop.send({"stores": sent, "refused": refused, "seconds": time.monotonic() - start})
-    sock.close()
-    ctx.term()
-
-
-def _time_reset(probe: Any) -> tuple[int, int]:
-    """Like ResetProbe.time_reset, but skips the store batches in between by a byte search
-    instead of decoding each (under load the SUB carries megabytes of them)."""
-    start = time.perf_counter_ns()
-    probe.send("reset", force=True)
-    while True:
-        payload = probe.sub.recv_multipart()[2]
-        if b"AllBlocksCleared" in payload:
-            marker = time.perf_counter_ns() - start
-            break
-    probe.recv_reply()
-    return marker, time.perf_counter_ns() - start
-
-
-def measure_resets_under_load(
-    capacity_rps: float, fraction: float, resets: int, num_blocks: int
-) -> dict[str, Any]:
-    """reset -> marker received, ``resets`` times, while a paced client stores at
-    ``fraction`` x ``capacity_rps``."""
-    from kvpubd.tools.bench import TINY_BLOCKS, ResetProbe, summary
-
-    overrides = {
-        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
-        "events": {"buffer_steps": 1000},
-        "service": {"log_level": "warning"},
-    }
-    spawn = multiprocessing.get_context("spawn")
-    interval = 0.05
-    seconds = 2.0 + resets * (interval + 0.05)
-    with DaemonProcess(overrides, transport="tcp") as daemon:
-        probe = ResetProbe(daemon)
-        stop, child_stop = spawn.Pipe()
-        load = spawn.Process(
-            target=_paced_load,
-            args=(daemon.control_endpoint, fraction * capacity_rps, seconds, child_stop),
-            daemon=True,
+    sock.connect(endpoint)
+    ids = itertools.count(1)
+    durations: list[float] = []
+    failures = 0
+    control.set_ready()
+    try:
+        for n in itertools.count():
+            while not control.go.wait(POLL_MS / 1000):
+                if control.stop.is_set():
+                    return
+            if control.stop.is_set():
+                return
+            for i, request in enumerate(next_requests(n)):
+                request_id = next(ids)
+                started = time.perf_counter()
+                _send_request(sock, {**request, "id": request_id})
+                if i == 0:
+                    with control.ops.get_lock():
+                        control.ops.value += 1
+                ok = _await_reply(sock, request_id, control, reply_timeout)
+                if control.stop.is_set():
+                    return
+                if i == 0:
+                    durations.append(time.perf_counter() - started)
+                failures += not ok
+    finally:
+        sock.close()
+        ctx.term()
+        control.results.put(
+            {
+                "load": label,
+                "ops": len(durations),
+                "failures": failures,
+                "op_p50_ms": _ms(durations, 50),
+                "op_max_ms": round(max(durations) * 1000, 1) if durations else None,
+            }
         )
+
+
+def _ms(seconds: list[float], q: float) -> float | None:
+    return round(float(np.percentile(seconds, q)) * 1000, 1) if seconds else None
+
+
+def snapshot_load(control: LoadControl, spec: LoadSpec) -> None:
+    """One client asking for the snapshot of the load rank's cache, again and again."""
+    _request_loop(
+        control,
+        spec.control_endpoint,
+        lambda n: [{"op": "snapshot", "rank": LOAD_RANK}],
+        "snapshot",
+    )
+
+
+def big_store_load(control: LoadControl, spec: LoadSpec) -> None:
+    """One client storing the largest allowed prompt (fresh tokens each time, so every block
+    is hashed, inserted and published, evicting the last one's) and releasing it."""
+    rng = np.random.default_rng(7)
+
+    def store_and_release(n: int) -> list[dict[str, Any]]:
+        tokens = rng.integers(0, 1 << 31, size=spec.store_tokens, dtype=np.uint32)
+        request_id = f"big-{n}"
+        return [
+            {
+                "op": "store",
+                "rank": LOAD_RANK,
+                "request_id": request_id,
+                "token_ids": tokens.astype("<u4").tobytes(),
+            },
+            {"op": "release", "request_id": request_id},
+        ]
+
+    _request_loop(control, spec.control_endpoint, store_and_release, "big-store")
+
+
+def replay_flood_load(control: LoadControl, spec: LoadSpec) -> None:
+    """One DEALER sending replay requests from seq 0 as fast as the socket takes them and
+    never reading the replies (an unauthenticated peer of the replay port can)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, POLL_MS)
+    sock.connect(spec.replay_endpoint)
+    request = [b"", (0).to_bytes(8, "big")]
+    sent = 0
+    control.set_ready()
+    try:
+        while not control.stop.is_set():
+            if not control.go.wait(POLL_MS / 1000):
+                continue
+            try:
+                for _ in range(100):
+                    sock.send_multipart(request)
+                    sent += 1
+            except zmq.Again:  # the socket's queue is full: the daemon is behind
+                pass
+            with control.ops.get_lock():
+                control.ops.value += 1
+    finally:
+        sock.close()
+        ctx.term()
+        control.results.put({"load": "replay-flood", "requests_sent": sent})
+
+
+# ZMTP 3.0 greeting for the NULL mechanism, as a client (as-server 0).
+_ZMTP_GREETING = (
+    b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+)
+
+
+def _zmtp_hello(socket_type: bytes) -> bytes:
+    """Greeting and READY command of an idle peer of the given ZeroMQ socket type: the
+    handshake completes, so libzmq keeps the connection (an incomplete one it drops)."""
+    body = b"\x05READY" + b"\x0bSocket-Type" + len(socket_type).to_bytes(4, "big") + socket_type
+    return _ZMTP_GREETING + bytes([0x04, len(body)]) + body
+
+
+def raise_fd_limit(wanted: int) -> int:
+    """Raise this process's soft fd limit towards ``wanted`` (at most the hard limit); returns
+    the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
+def idle_conns_load(control: LoadControl, spec: LoadSpec) -> None:
+    """``idle_connections`` TCP connections spread over the PUB, replay and metrics ports,
+    held open and idle: ZeroMQ peers that finish the handshake and then say nothing, HTTP
+    peers that never send a request. One the daemon closes is opened again."""
+    limit = raise_fd_limit(spec.idle_connections + 256)
+    count = min(spec.idle_connections, limit - 64)
+    targets: list[tuple[int, bytes]] = []
+    for endpoint, hello in (
+        (spec.events_endpoint, _zmtp_hello(b"SUB")),
+        (spec.replay_endpoint, _zmtp_hello(b"DEALER")),
+    ):
+        targets.append((int(endpoint.rpartition(":")[2]), hello))
+    if spec.metrics_port:
+        targets.append((spec.metrics_port, b""))
+    selector = selectors.DefaultSelector()
+    opened = reopened = refused = 0
+
+    def connect(slot: int) -> None:
+        nonlocal opened, refused
+        port, hello = targets[slot % len(targets)]
         try:
-            probe.wait_connected()
-            load.start()
-            time.sleep(1.0)  # the load reaches its pace (a bench, not a test: sleeping is fine)
-            markers, replies = [], []
-            for _ in range(resets):
-                probe.drain_sub(0)
-                time.sleep(interval)
-                marker, reply = _time_reset(probe)
-                markers.append(marker)
-                replies.append(reply)
-            stop.send("stop")
-            done = stop.recv() if stop.poll(30) else {}
-        finally:
-            load.join(10)
-            if load.is_alive():
-                load.terminate()
-            probe.close()
-    stores = done.get("stores", 0)
-    return {
-        "load_fraction": fraction,
-        "target_stores_per_s": round(fraction * capacity_rps),
-        "stores_per_s": round(stores / done["seconds"]) if done.get("seconds") else None,
-        "refused": done.get("refused"),
-        **summary(markers),
-        "reply": summary(replies),
-    }
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if hello:
+                sock.sendall(hello)
+            sock.setblocking(False)
+        except OSError:
+            refused += 1
+            return
+        selector.register(sock, selectors.EVENT_READ, slot)
+        opened += 1
+
+    try:
+        for slot in range(count):
+            connect(slot)
+        control.set_ready()
+        while not control.stop.is_set():
+            with control.ops.get_lock():
+                control.ops.value = len(selector.get_map())
+            for key, _ in selector.select(POLL_MS / 1000):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    data = sock.recv(65536)  # the daemon's greeting: read and ignored
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:  # closed by the daemon: hold the connection again
+                    selector.unregister(sock)
+                    sock.close()
+                    reopened += 1
+                    connect(key.data)
+    finally:
+        held = len(selector.get_map())
+        for key in list(selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        selector.close()
+        control.results.put(
+            {
+                "load": "idle-conns",
+                "wanted": spec.idle_connections,
+                "held_at_end": held,
+                "opened": opened,
+                "reopened": reopened,
+                "refused": refused,
+                "fd_soft_limit": limit,
+            }
+        )
+
+
+class Load:
+    """A load's processes, started on entry and stopped (bounded waits) on exit."""
+
+    def __init__(self, spec: LoadSpec) -> None:
+        if spec.name not in LOADS:
+            raise ValueError(f"unknown load {spec.name!r}; known: {', '.join(LOADS)}")
+        self.spec = spec
+        ctx = multiprocessing.get_context("spawn")
+        self.control = LoadControl(
+            ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue()
+        )
+        target, copies = {
+            "snapshot": (snapshot_load, 1),
+            "big-store": (big_store_load, 1),
+            "replay-flood": (replay_flood_load, spec.flood_processes),
+            "idle-conns": (idle_conns_load, 1),
+        }[spec.name]
+        self.processes = [
+            ctx.Process(target=target, args=(self.control, spec), daemon=True)
+            for _ in range(copies)
+        ]
+        self.results: list[dict[str, Any]] = []
+
+    @property
+    def ops(self) -> int:
+        return int(self.control.ops.value)
+
+    def run(self) -> None:
+        self.control.go.set()
+
+    def hold(self) -> None:
+        """No new operations from now on (one in flight finishes)."""
+        self.control.go.clear()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every process of the load is set up."""
+        deadline = time.monotonic() + timeout
+        while self.control.ready.value < len(self.processes):
+            if time.monotonic() > deadline or not all(p.is_alive() for p in self.processes):
+                return False
+            time.sleep(0.01)
+        return True
+
+    def wait_active(self, after: int, timeout: float) -> bool:
+        """Wait until ``ops`` passes ``after``: an operation of this load has started. Idle
+        connections are no operations: they are active once most are held."""
+        deadline = time.monotonic() + timeout
+        while (
+            self.ops < 0.9 * self.spec.idle_connections
+            if self.spec.name == "idle-conns"
+            else self.ops <= after
+        ):
+            if time.monotonic() > deadline or not any(p.is_alive() for p in self.processes):
+                return False
+            time.sleep(0.001)
+        return True
+
+    def __enter__(self) -> Load:
+        for process in self.processes:
+            process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.control.stop.set()
+        self.control.go.set()
+        deadline = time.monotonic() + 10
+        for _ in self.processes:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                self.results.append(self.control.results.get(timeout=left))
+            except Exception:  # a process that died or hangs reports nothing
+                break
+        for process in self.processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)

@@ -26,13 +26,16 @@ from rich.table import Table
 from rich.text import Text
 
 from kvpubd.client import (
+    ControlClient,
     ControlError,
     Counters,
     Mirror,
     MirrorError,
+    RankStats,
     Received,
     Subscriber,
 )
+from kvpubd.protocol.wire import BlockStored
 from kvpubd.tools.launcher import DaemonProcess
 from kvpubd.tools.loadgen import DEFAULT_MIX, LoadGenerator, LoadStats, Workload, parse_mix
 
@@ -82,7 +85,7 @@ class Demo:
         self.mirror = Mirror()
         self.phase = "starting"
         self.started = time.monotonic()
-        self.pool: dict[str, Any] = {}
+        self.pool: RankStats | None = None
         self.reset: ResetResult | None = None
         self.stall_s = 0.0
         self.counters = Counters()
@@ -109,7 +112,7 @@ class Demo:
                 subscriber.close()
                 context.term()
 
-    def _run(self, daemon: DaemonProcess, subscriber: Subscriber, control: Any) -> int:
+    def _run(self, daemon: DaemonProcess, subscriber: Subscriber, control: ControlClient) -> int:
         load_thread = threading.Thread(target=self._load, args=(daemon,), name="loadgen")
         with Live(self.render(), console=self.console, refresh_per_second=4) as live:
             self.live = live
@@ -173,15 +176,16 @@ class Demo:
             if self.load_error is not None:
                 raise self.load_error
 
-    def _refresh(self, subscriber: Subscriber, control: Any) -> None:
-        self.pool = control.stats()["ranks"][0]
+    def _refresh(self, subscriber: Subscriber, control: ControlClient) -> None:
+        self.pool = control.stats().ranks[0]
         self.counters = subscriber.counters
         self.live.update(self.render())
 
-    def _reset(self, subscriber: Subscriber, control: Any) -> None:
+    def _reset(self, subscriber: Subscriber, control: ControlClient) -> None:
         started = time.monotonic()
         # force: the load keeps requests open; a reset drops them, as an engine's reset does.
-        marker = control.reset(force=True)[0]["seq"]
+        marker = control.reset(force=True).markers[0].seq
+        assert marker is not None  # the demo daemon publishes markers at once
         self.reset = ResetResult(marker, (time.monotonic() - started) * 1e3)
         deadline = started + 5.0
         while self.seen.last_seq < marker and time.monotonic() < deadline:
@@ -193,18 +197,18 @@ class Demo:
             f"marker received after {self.reset.marker_ms or float('nan'):.2f} ms"
         )
 
-    def _check(self, subscriber: Subscriber, control: Any) -> bool:
+    def _check(self, subscriber: Subscriber, control: ControlClient) -> bool:
         """The cache rebuilt from the events equals the daemon's snapshot."""
         snapshot = control.snapshot(0)
         deadline = time.monotonic() + 10.0
-        while self.seen.last_seq < snapshot["seq"] and time.monotonic() < deadline:
+        while self.seen.last_seq < snapshot.seq and time.monotonic() < deadline:
             self._receive(subscriber.receive(0.05))
-        self.pool = control.stats()["ranks"][0]
+        self.pool = control.stats().ranks[0]
         self.counters = subscriber.counters
-        expected = {event["block_hashes"][0] for event in snapshot["events"]}
+        expected = {e.block_hashes[0] for e in snapshot.events if isinstance(e, BlockStored)}
         self.snapshot_blocks = len(expected)
         return (
-            self.seen.last_seq >= snapshot["seq"]
+            self.seen.last_seq >= snapshot.seq
             and subscriber.counters.lost == 0
             and set(self.mirror.blocks) == expected
         )
@@ -236,11 +240,11 @@ class Demo:
         table.add_row(
             "gaps", f"{counters.gaps}, {counters.replayed} batches repaired through replay"
         )
-        if self.pool:
+        if self.pool is not None:
             table.add_row(
                 "pool",
-                f"{self.pool['blocks_used']}/{self.pool['blocks_total']} blocks used, "
-                f"{self.pool['blocks_pinned']} pinned",
+                f"{self.pool.blocks_used}/{self.pool.blocks_capacity} blocks used, "
+                f"{self.pool.blocks_pinned} pinned",
             )
         return Group(Text("kvpubd demo", style="bold"), table)
 

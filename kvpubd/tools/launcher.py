@@ -11,10 +11,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 from kvpubd.client import ControlClient, ControlTimeout, Subscriber
+from kvpubd.protocol.endpoints import missing_ipc_socket
 
 
 def free_tcp_ports(count: int) -> list[int]:
@@ -89,14 +91,18 @@ class DaemonProcess:
     def ranks(self) -> int:
         return int(self.settings["cache"].get("data_parallel_size", 1))
 
-    def start(self, timeout: float = 20.0) -> DaemonProcess:
-        """Start the child and wait until it answers ping."""
+    def start(
+        self, timeout: float = 20.0, preexec_fn: Callable[[], None] | None = None
+    ) -> DaemonProcess:
+        """Start the child and wait until it answers ping; ``preexec_fn`` runs in the child
+        before it executes (e.g. to set resource limits)."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpubd", "serve", "--config", str(self.config_path)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=preexec_fn,
         )
         deadline = time.monotonic() + timeout
         with self.client(timeout=0.2) as client:
@@ -104,11 +110,13 @@ class DaemonProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
                 try:
-                    self.epoch = client.ping()["epoch"]
+                    self.epoch = client.ping().epoch
                     return self
                 except ControlTimeout:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"daemon did not answer:\n{self.log()}") from None
+                    if missing_ipc_socket(self.control_endpoint):
+                        time.sleep(0.01)  # not bound yet: the ping failed at once, poll gently
 
     def client(self, timeout: float = 5.0) -> ControlClient:
         return ControlClient(self.control_endpoint, timeout=timeout, curve=self.curve)

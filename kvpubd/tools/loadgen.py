@@ -135,7 +135,29 @@ class LoadStats:
 
     @property
     def rate(self) -> float:
+        """Stores that succeeded, per second."""
         return self.requests / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def stores_sent(self) -> int:
+        return self.sent.get("store", 0)
+
+    @property
+    def stores_failed(self) -> int:
+        return sum(n for (op, _), n in self.failed.items() if op == "store")
+
+    @property
+    def error_rate(self) -> float:
+        """Share of the stores sent that were refused."""
+        return self.stores_failed / self.stores_sent if self.stores_sent else 0.0
+
+    def progress(self) -> str:
+        """``N stores sent, M succeeded, K failed (code n, ...)``."""
+        errors = ", ".join(f"{code} {n}" for code, n in sorted(self.errors.items()))
+        return (
+            f"{self.stores_sent} stores sent, {self.requests} succeeded, "
+            f"{self.stores_failed} failed" + (f" (errors: {errors})" if errors else "")
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -148,6 +170,9 @@ class LoadStats:
             "released": self.released,
             "by_kind": dict(self.by_kind),
             "sent": dict(self.sent),
+            "stores_sent": self.stores_sent,
+            "stores_failed": self.stores_failed,
+            "error_rate": round(self.error_rate, 4),
             "errors": self.errors,
         }
 
@@ -173,23 +198,35 @@ class LoadGenerator:
         self.workload = workload
         self.rate = rate
         self.hold = hold
-        self.ranks = ranks if ranks is not None else int(client.ping()["ranks"])
+        self.ranks = ranks if ranks is not None else client.ping().ranks
         self.rng = random.Random(seed ^ 0xA11)
         self.stats = LoadStats()
         self._ids = itertools.count()
         self._prefix = f"lg{os.getpid()}-{random.getrandbits(24):06x}"
         self._open: deque[tuple[float, str]] = deque()  # (release time, request id)
 
-    def run(self, duration: float, stop: Callable[[], bool] = lambda: False) -> LoadStats:
+    def run(
+        self,
+        duration: float,
+        stop: Callable[[], bool] = lambda: False,
+        on_progress: Callable[[LoadStats, float], None] | None = None,
+        progress_every: float = 1.0,
+    ) -> LoadStats:
         """Send requests for ``duration`` seconds (or until ``stop()``), then release every
-        request still open."""
+        request still open. ``on_progress(stats, elapsed)`` is called every
+        ``progress_every`` seconds meanwhile."""
         start = time.monotonic()
         next_arrival = start
+        next_progress = start + progress_every
         try:
             while True:
                 now = time.monotonic()
                 if now - start >= duration or stop():
                     break
+                if on_progress is not None and now >= next_progress:
+                    self.stats.elapsed_s = now - start
+                    on_progress(self.stats, now - start)
+                    next_progress += progress_every
                 while self._open and self._open[0][0] <= now:
                     self._release(self._open.popleft()[1])
                 if now >= next_arrival:
@@ -199,6 +236,7 @@ class LoadGenerator:
                     next_arrival = max(next_arrival, now - 1.0)
                     continue
                 wake = min(next_arrival, self._open[0][0]) if self._open else next_arrival
+                wake = min(wake, next_progress) if on_progress is not None else wake
                 time.sleep(min(max(0.0, wake - now), 0.05))
         finally:
             self.stats.elapsed_s = time.monotonic() - start
@@ -228,7 +266,7 @@ class LoadGenerator:
         stats.requests += 1
         stats.by_kind[prompt.kind] = stats.by_kind.get(prompt.kind, 0) + 1
         stats.prompt_tokens += len(prompt.tokens)
-        stats.cached_tokens += int(reply["num_cached_tokens"])
+        stats.cached_tokens += reply.num_cached_tokens
         self._open.append((now + self.hold, request_id))
 
     def _release(self, request_id: str) -> None:

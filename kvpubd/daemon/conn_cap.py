@@ -1,0 +1,178 @@
+"""A connection cap for a bound ZeroMQ TCP socket: stop admitting while it holds ``cap``.
+
+libzmq has no such limit of its own, and running out of file descriptors is fatal to it: an
+ipc listener's accept that fails with EMFILE aborts the whole process, so idle TCP connections
+to the PUB or replay port could kill the daemon at its next ipc control connection. A socket
+monitor counts accepted and closed connections; at the cap a drop-everything socket filter
+(classic BPF) goes on the listening socket, so the kernel drops new handshakes (clients retry
+them) while every established connection stays; below three quarters of the cap it comes off.
+(Unbinding would not do: libzmq closes every connection of an endpoint it unbinds.)
+Connections that never finish the ZMTP handshake are dropped by libzmq after
+``HANDSHAKE_IVL_MS``, which is what frees the cap from an idle flood."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import socket
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("kvpubd")
+
+ZMQ_BACKLOG = 100  # libzmq's default accept queue
+HANDSHAKE_IVL_MS = 10_000  # a peer that has not greeted within this is disconnected
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+
+class ConnectionCap:
+    """Counts ``sock``'s connections on the TCP endpoint ``bound`` and holds them to ``cap``.
+    Served from the daemon's loop; ``create`` returns None where no cap can be put on."""
+
+    def __init__(self, sock: zmq.Socket, gate: ListenerGate, cap: int, name: str) -> None:
+        self.sock = sock
+        self.gate = gate
+        self.cap = max(1, cap)
+        self.name = name
+        self.connections = 0
+        self.peak = 0
+        self.pauses = 0  # times the cap was reached
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        self._monitor = sock.get_monitor_socket(_EVENTS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def create(cls, sock: zmq.Socket, bound: str, cap: int, name: str) -> ConnectionCap | None:
+        fd = listening_fd(bound)
+        if fd is None:
+            return None
+        gate = ListenerGate(fd)
+        # The kernel's accept queue is what libzmq still takes after the gate closes.
+        gate.listen(min(ZMQ_BACKLOG, max(1, cap // 4)))
+        return cls(sock, gate, cap, name)
+
+    @property
+    def fd(self) -> int:
+        return self._monitor.getsockopt(zmq.FD)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        loop.add_reader(self.fd, self.drain)
+        loop.call_soon(self.drain)  # events before the reader existed do not wake it
+
+    def drain(self) -> None:
+        monitor = self._monitor
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            if event == zmq.EVENT_ACCEPTED:
+                self.connections += 1
+                if self.connections >= self.cap and not self.gate.closed:
+                    self._pause()  # at once, not after the rest of the burst is counted
+            elif event == zmq.EVENT_DISCONNECTED:
+                # Peers accepted before the monitor existed are not counted: never below 0.
+                self.connections = max(0, self.connections - 1)
+        self.peak = max(self.peak, self.connections)
+        if self.gate.closed and self.connections <= self.cap * 3 // 4:
+            self.gate.open()
+            log.info("%s: %d connections; accepting again", self.name, self.connections)
+
+    def _pause(self) -> None:
+        try:
+            self.gate.close()
+        except OSError as exc:
+            log.error("%s: cannot stop accepting at %d connections: %s", self.name, self.cap, exc)
+            return
+        self.pauses += 1
+        log.warning(
+            "%s: %d connections, the cap; refusing new ones until some close", self.name, self.cap
+        )
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self.fd)
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+
+
+SO_ATTACH_FILTER = 26  # Linux <asm-generic/socket.h>
+SO_DETACH_FILTER = 27
+# One classic BPF instruction, BPF_RET | BPF_K with k = 0: accept no bytes of any packet.
+_DROP_ALL = ctypes.create_string_buffer(struct.pack("HBBI", 0x06, 0, 0, 0))
+_DROP_ALL_PROGRAM = struct.pack("HL", 1, ctypes.addressof(_DROP_ALL))  # struct sock_fprog
+
+
+class ListenerGate:
+    """Opens and closes a listening socket (by fd, owned by libzmq) to new connections."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.closed = False
+
+    def close(self) -> None:
+        self._setsockopt(SO_ATTACH_FILTER, _DROP_ALL_PROGRAM)
+        self.closed = True
+
+    def open(self) -> None:
+        try:
+            self._setsockopt(SO_DETACH_FILTER, 0)
+        except OSError as exc:
+            log.error("cannot open a listener again: %s", exc)
+            return
+        self.closed = False
+
+    def listen(self, backlog: int) -> None:
+        """Set the accept queue's length (listen() again on a listening socket does that)."""
+        with self._socket() as sock:
+            sock.listen(backlog)
+
+    def _setsockopt(self, option: int, value: bytes | int) -> None:
+        with self._socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, option, value)
+
+    @contextmanager
+    def _socket(self) -> Iterator[socket.socket]:
+        sock = socket.socket(fileno=self.fd)  # no dup: at the fd limit there is none to spare
+        try:
+            yield sock
+        finally:
+            sock.detach()
+
+
+def listening_fd(bound: str) -> int | None:
+    """The fd of this process's TCP socket listening at ``bound`` (a tcp:// LAST_ENDPOINT);
+    None for other transports, or where it cannot be found (not Linux)."""
+    if not bound.startswith("tcp://") or not hasattr(socket, "SO_ACCEPTCONN"):
+        return None
+    host, _, port = bound.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in _INET:
+                continue
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            address = sock.getsockname()
+            if str(address[1]) == port and address[0] == host:
+                return fd
+        finally:
+            sock.detach()
+    return None
+
+
+_INET = (socket.AF_INET, socket.AF_INET6)

@@ -1,0 +1,158 @@
+"""The control socket: a ZeroMQ ROUTER that owns its binding (ipc permissions, CURVE, frame
+limits) and the framing, and hands each parsed request to a callback.
+
+The callback answers with the reply bytes, or with a future of them for work that takes
+several loop turns (a snapshot). A reset's marker is handed to ZeroMQ inside the callback,
+so it is on the wire before the reply frame is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
+from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.protocol.auth import CurveServer
+from kvpubd.protocol.config import ControlConfig
+from kvpubd.protocol.control import ProtocolError, Request, error_reply, parse_request
+
+log = logging.getLogger("kvpubd")
+
+# Requests handled per reader wake-up before the loop gets a turn (drain ticks, replays).
+CONTROL_BURST = 64
+
+# Bytes, or a future of a buffer for a reply built across loop turns (sent without a copy).
+Reply = bytes | asyncio.Future[Any]
+Handler = Callable[[Request], Reply]
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start as configured."""
+
+
+class ControlServer:
+    def __init__(
+        self, context: zmq.Context, config: ControlConfig, handler: Handler, metrics: MetricsHooks
+    ) -> None:
+        self._context = context
+        self._config = config
+        self._handler = handler
+        self._metrics = metrics
+        self._sock: zmq.Socket | None = None
+        self._curve: CurveServer | None = None
+        self._fd: int | None = None
+        self.endpoint = ""
+
+    @property
+    def socket(self) -> zmq.Socket | None:
+        return self._sock
+
+    def reload_curve(self) -> int | None:
+        """Read the CURVE authorised keys again; how many there are (None: CURVE is off).
+        AuthError leaves the keys loaded before in force."""
+        return self._curve.reload() if self._curve is not None else None
+
+    def bind(self) -> str:
+        """Bind the ROUTER (the caller holds the endpoint's lock, so any socket file there is
+        a dead daemon's)."""
+        config = self._config
+        sock = self._sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if config.curve_secret_key:
+            self._curve = CurveServer(
+                self._context, Path(config.curve_secret_key), Path(config.curve_authorized_keys)
+            )
+            self._curve.apply(sock)
+        # Hard cap well above the protocol limit: larger frames cost a disconnect, not memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes + 1024)
+        path = ipc_path(config.endpoint)  # None for an abstract name: no file to protect
+        if path is not None:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        old_umask = os.umask(0o077)  # the socket file is created owner-only
+        try:
+            bind_ipc_safely(sock, config.endpoint)
+        finally:
+            os.umask(old_umask)
+        if path is not None:
+            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def start(self) -> None:
+        """Serve requests from the loop (reader on the socket's edge-triggered FD)."""
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        self._fd = self._sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self._serve)
+        # Anything that arrived before the reader existed would not wake it.
+        loop.call_soon(self._serve)
+
+    def close(self) -> None:
+        """Stop taking requests: close the socket, remove its file, stop CURVE."""
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._fd = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+            path = ipc_path(self.endpoint)
+            if path is not None:
+                path.unlink(missing_ok=True)
+        if self._curve is not None:
+            self._curve.stop()
+            self._curve = None
+
+    def _serve(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(CONTROL_BURST):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            reply = self.handle_frames(frames)
+            if isinstance(reply, bytes):
+                self._send(frames[0], reply)
+            elif reply is not None:
+                identity = frames[0]
+                reply.add_done_callback(lambda done, to=identity: self._send_result(to, done))
+        asyncio.get_running_loop().call_soon(self._serve)
+
+    def handle_frames(self, frames: list[bytes]) -> Reply | None:
+        """Answer one ROUTER message ``[identity, b"", request]``; None for unusable framing."""
+        if len(frames) < 2 or frames[1] != b"":
+            log.debug("control: dropped a message without the empty delimiter")
+            return None
+        try:
+            if len(frames) != 3:
+                raise ProtocolError(
+                    "bad_request", f"expected one request frame, got {len(frames) - 2}"
+                )
+            request = parse_request(frames[2], self._config.max_message_bytes)
+        except ProtocolError as exc:
+            self._metrics.refused(exc.code)
+            return error_reply(exc.request_id, exc.code, exc.message)
+        return self._handler(request)
+
+    def _send(self, identity: bytes, reply: Any) -> None:
+        if self._sock is None:
+            return
+        try:
+            # Large replies (snapshots) go without a copy.
+            self._sock.send_multipart(
+                [identity, b"", reply], zmq.NOBLOCK, copy=isinstance(reply, bytes)
+            )
+        except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
+            log.debug("control: reply dropped: %s", exc)
+
+    def _send_result(self, identity: bytes, done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self._send(identity, done.result())

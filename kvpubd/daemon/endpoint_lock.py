@@ -1,0 +1,130 @@
+"""One daemon per control endpoint, decided by an ``flock`` taken before anything is bound.
+
+The lock file of an ipc endpoint lies beside its socket file (``control.sock.lock``); an
+abstract ipc name (``ipc://@name``) or a tcp endpoint is keyed by the endpoint in the runtime
+directory. The file holds the owner's pid, so the refusal can name it. The kernel drops the
+lock when its holder dies, however it dies: no stale lock is ever mistaken for a live daemon,
+and no live daemon for a stale one (a ping can time out on a busy daemon)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import zmq
+
+
+class EndpointInUse(RuntimeError):
+    def __init__(self, endpoint: str, pid: int | None) -> None:
+        owner = f" (pid {pid})" if pid is not None else ""
+        super().__init__(f"control endpoint {endpoint} is in use by a running daemon{owner}")
+        self.pid = pid
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ipc endpoint; None for tcp, inproc and abstract names."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    address = endpoint.removeprefix("ipc://")
+    return None if address.startswith("@") else Path(address)
+
+
+def bind_ipc_safely(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind; for an abstract name, from an empty directory: libzmq unlinks the path it is
+    given before binding, and would remove a file named ``@name`` in the working directory."""
+    if not endpoint.startswith("ipc://@"):
+        sock.bind(endpoint)
+        return
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="kvpubd-bind-") as empty:
+        os.chdir(empty)  # start-up: the loop runs nothing else that could see the change
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.chdir(cwd)
+
+
+def lock_path(endpoint: str, runtime_dir: Path) -> Path | None:
+    """Where the lock of ``endpoint`` lives; None for inproc (one process, nothing to share)."""
+    if endpoint.startswith("inproc://"):
+        return None
+    path = ipc_path(endpoint)
+    if path is not None:
+        return path.with_name(path.name + ".lock")
+    digest = hashlib.sha256(endpoint.encode()).hexdigest()[:16]
+    return runtime_dir / f"control-{digest}.lock"
+
+
+class EndpointLock:
+    """Held from ``acquire`` until ``release`` (or the process's death)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, endpoint: str, path: Path) -> EndpointLock:
+        """Take the lock at ``path``; EndpointInUse naming the holder's pid if another has it."""
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = _read_pid(fd)
+                os.close(fd)
+                raise EndpointInUse(endpoint, pid) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # The holder before us may have unlinked the file after we opened it: a lock on a
+            # removed file guards nothing, so take the one on the path as it is now.
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                return cls(path, fd)
+            os.close(fd)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        # Unlink while still holding the lock, so no one can lock the file we are removing.
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_pid(fd: int) -> int | None:
+    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return int(text) if text.isdigit() else None
+
+
+def make_parents(path: Path) -> list[Path]:
+    """Create ``path``'s missing parent directories (owner-only); returns those it created,
+    deepest first, so that a daemon removes what it made and nothing else."""
+    missing = []
+    parent = path.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            missing.remove(directory)  # someone else made it meanwhile: theirs to remove
+    return missing
+
+
+def remove_dirs(directories: list[Path]) -> None:
+    """Remove directories made by ``make_parents`` if they are empty now."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # not empty (someone else's files): leave it and its parents

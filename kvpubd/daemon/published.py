@@ -1,0 +1,142 @@
+"""The record of which blocks a rank has published and not removed, in publication order, with
+frozen views that cost O(1) to take.
+
+Routers rely on it: a removal is published only for a published block, a store only under a
+published parent. Snapshots read it: a frozen view is the published state at one seq, read a
+slice at a time across loop turns while the cache goes on changing.
+
+The order is an append-only log of block ids; ``_entry[b]`` is the log position of block
+``b``'s current publication, so a log entry is current iff ``_entry.get(log[i]) == i``. A view
+taken at log length ``end`` sees entries ``i < end`` that were current then: still current
+now, or removed since, in which case the view saved the block's data when it was removed
+(``capture``), before its slot could be reused. Stale entries are compacted away a slice at a
+time while no view is open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+COMPACT_SLACK = 4096  # stale log entries tolerated beyond the live count before compacting
+COMPACT_STEP = 20_000  # log entries compacted per call
+
+
+class FrozenView:
+    """The published blocks at the moment the view was taken. ``capture(block_id)`` is called
+    for a block removed while the view is open, before any of its data can be overwritten."""
+
+    def __init__(self, record: PublishedRecord, capture: Callable[[int], Any]) -> None:
+        self.record = record
+        self.end = len(record._log)
+        self.count = len(record._entry)
+        self.cursor = 0
+        self.saved: dict[int, Any] = {}  # log position -> data captured at removal
+        self._capture = capture
+        self.open = True
+
+    def removed(self, position: int, block_id: int) -> None:
+        if self.cursor <= position < self.end:
+            self.saved[position] = self._capture(block_id)
+
+    def take(self, limit: int) -> Iterator[tuple[int, Any]]:
+        """The next blocks of the view in publication order: (block id, data saved at
+        removal, or None while the block is still live). Up to ``limit`` log entries."""
+        log, entry, saved = self.record._log, self.record._entry, self.saved
+        start = self.cursor
+        stop = min(self.end, start + limit)
+        self.cursor = stop
+        for position in range(start, stop):
+            block_id = log[position]
+            if entry.get(block_id) == position:
+                yield block_id, None
+            elif position in saved:
+                yield block_id, saved.pop(position)
+
+    @property
+    def finished(self) -> bool:
+        return self.cursor >= self.end
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.record._views.remove(self)
+
+
+class PublishedRecord:
+    def __init__(self) -> None:
+        self._entry: dict[int, int] = {}
+        self._log: list[int] = []
+        self._views: list[FrozenView] = []
+        # Compaction in progress: the new log, and how far the old one has been read.
+        self._new_log: list[int] | None = None
+        self._read = 0
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self._entry
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __iter__(self) -> Iterator[int]:
+        """Live blocks in publication order (O(log); for tests and small tools)."""
+        entry = self._entry
+        return (b for i, b in enumerate(self._log) if entry.get(b) == i)
+
+    def add(self, block_ids: list[int]) -> None:
+        entry, log = self._entry, self._log
+        position = len(log)
+        for block_id in block_ids:
+            entry[block_id] = position
+            position += 1
+        log.extend(block_ids)
+
+    def discard(self, block_id: int) -> bool:
+        """Forget a published block; False when it was not published."""
+        position = self._entry.pop(block_id, None)
+        if position is None:
+            return False
+        for view in self._views:
+            view.removed(position, block_id)
+        return True
+
+    def freeze(self, capture: Callable[[int], Any]) -> FrozenView | None:
+        """A view of the blocks published now, or None while a compaction is under way
+        (``compact_some`` finishes it; ask again on a later turn)."""
+        if self._new_log is not None:
+            return None
+        view = FrozenView(self, capture)
+        self._views.append(view)
+        return view
+
+    @property
+    def needs_compaction(self) -> bool:
+        return self._new_log is not None or (
+            not self._views and len(self._log) > 2 * len(self._entry) + COMPACT_SLACK
+        )
+
+    def compact_some(self, step: int = COMPACT_STEP) -> bool:
+        """Move up to ``step`` log entries into a log without stale ones; True when done.
+        Blocks published meanwhile are appended to the old log and moved with the rest."""
+        if self._new_log is None:
+            if self._views:
+                return True
+            self._new_log, self._read = [], 0
+        new_log, log, entry = self._new_log, self._log, self._entry
+        stop = min(len(log), self._read + step)
+        for position in range(self._read, stop):
+            block_id = log[position]
+            if entry.get(block_id) == position:
+                entry[block_id] = len(new_log)
+                new_log.append(block_id)
+        self._read = stop
+        if stop < len(log):
+            return False
+        self._log, self._new_log = new_log, None
+        return True
+
+    def reapable(self) -> tuple[Any, ...]:
+        """The containers the reaper frees piecemeal once this record is retired."""
+        for view in list(self._views):
+            view.close()
+        return (self._entry, self._log)

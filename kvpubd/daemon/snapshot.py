@@ -1,0 +1,166 @@
+"""Snapshots of one rank's published cache, built a slice at a time so that no snapshot holds
+the loop, whatever the cache's size.
+
+A ``SnapshotJob`` publishes what is captured, takes an O(1) frozen view of the published
+record (the state at that seq) and encodes the view's blocks as one-block ``BlockStored``
+events in slices of about ``SLICE_S`` seconds, yielding to the loop between slices: a reset
+or a store arriving meanwhile waits one slice at most. Every request at the same seq shares one
+job (the control ``snapshot`` op and replays of history the ring no longer holds). A reset
+during the build starts it again on the new state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgpack
+import numpy as np
+
+from kvpubd.daemon.published import FrozenView, PublishedRecord
+from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, WireFormat, event_to_wire
+
+log = logging.getLogger(__name__)
+
+SLICE_S = 0.0005  # encoding work per loop turn
+SLICE_ENTRIES = 32  # log entries read between two clock checks (~0.2 ms of encoding)
+
+
+class SnapshotSource(Protocol):
+    """What a job reads: the rank's pipeline."""
+
+    rank: int
+
+    def freeze_published(self) -> tuple[int, FrozenView] | None: ...
+
+    def current_record(self) -> PublishedRecord: ...
+
+    def block_events(self, block_ids: list[int]) -> list[BlockStored]: ...
+
+
+ASSEMBLY_STEP = 1 << 20  # bytes copied per loop turn when a large message is put together
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The published blocks of one rank at ``seq``: ``count`` events, msgpack-encoded one
+    after another in ``chunks`` (an array's items without its header, a slice per chunk)."""
+
+    seq: int
+    count: int
+    chunks: list[bytes]
+
+    async def batch_payload(self, ts: float, rank: int, wire_format: WireFormat) -> Buffer:
+        """A replay batch that rebuilds the state: ``[ts, [AllBlocksCleared, *stores], rank]``."""
+        packer = msgpack.Packer(use_bin_type=True)
+        head = b"".join(
+            (
+                packer.pack_array_header(3),
+                packer.pack(ts),
+                packer.pack_array_header(self.count + 1),
+                packer.pack(event_to_wire(AllBlocksCleared(), wire_format)),
+            )
+        )
+        return await assemble([head, *self.chunks, packer.pack(rank)])
+
+
+Buffer = np.ndarray
+
+
+async def assemble(parts: list[bytes]) -> Buffer:
+    """The parts joined into one buffer, about ASSEMBLY_STEP bytes copied per loop turn (a
+    snapshot's message can be hundreds of megabytes: one join would hold the loop)."""
+    out = np.empty(sum(len(part) for part in parts), dtype=np.uint8)
+    offset = copied = 0
+    for part in parts:
+        out[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        offset += len(part)
+        copied += len(part)
+        if copied >= ASSEMBLY_STEP:
+            copied = 0
+            await asyncio.sleep(0)
+    return out
+
+
+class SnapshotJob:
+    def __init__(self, source: SnapshotSource, wire_format: WireFormat) -> None:
+        self._source = source
+        self._wire_format = wire_format
+        self.seq = -1  # the seq the job is (or was last) building at
+        self.result: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._run(), name=f"kvpubd snapshot rank {source.rank}")
+
+    def add_done_callback(self, callback: Callable[[Snapshot], None]) -> None:
+        """Call ``callback(snapshot)`` once the job is done (at once if it is)."""
+
+        def done(future: asyncio.Future[Snapshot]) -> None:
+            if not future.cancelled() and future.exception() is None:
+                callback(future.result())
+
+        self.result.add_done_callback(done)
+
+    def cancel(self) -> None:
+        self._task.cancel()
+        if not self.result.done():
+            self.result.cancel()
+
+    async def _run(self) -> None:
+        try:
+            snapshot = await self._build()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: fail the requests, not the daemon
+            log.exception("rank %d: snapshot failed", self._source.rank)
+            if not self.result.done():
+                self.result.set_exception(exc)
+            return
+        if not self.result.done():
+            self.result.set_result(snapshot)
+
+    async def _build(self) -> Snapshot:
+        source = self._source
+        while True:
+            frozen = source.freeze_published()
+            if frozen is None:  # the record is being compacted: a few turns
+                await asyncio.sleep(0)
+                continue
+            self.seq, view = frozen
+            try:
+                body = await self._encode(view)
+            finally:
+                view.close()
+            if body is not None:
+                return Snapshot(self.seq, view.count, body)
+            # A reset replaced the record mid-way: build again, on the new state.
+
+    async def _encode(self, view: FrozenView) -> list[bytes] | None:
+        source = self._source
+        fmt = self._wire_format
+        packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+        chunks: list[bytes] = []
+        while not view.finished:
+            if source.current_record() is not view.record:
+                return None
+            deadline = time.perf_counter() + SLICE_S
+            while not view.finished and time.perf_counter() < deadline:
+                live: list[int] = []
+                for block_id, saved in view.take(SLICE_ENTRIES):
+                    if saved is None:
+                        live.append(block_id)
+                    else:
+                        # Removed since the view was taken; events stay in log order.
+                        for event in source.block_events(live):
+                            packer.pack(event_to_wire(event, fmt))
+                        live = []
+                        packer.pack(event_to_wire(saved, fmt))
+                for event in source.block_events(live):
+                    packer.pack(event_to_wire(event, fmt))
+            # One chunk per slice: a single growing buffer would be copied whole on growth.
+            chunks.append(packer.bytes())
+            packer.reset()
+            await asyncio.sleep(0)
+        return chunks

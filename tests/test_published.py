@@ -1,0 +1,136 @@
+"""The published record's frozen views: a view yields exactly the blocks published when it was
+taken, in publication order, with the data captured for blocks removed (and their ids reused)
+while it was open; compaction keeps order and membership and never runs under a view."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpubd.daemon.published import PublishedRecord
+
+
+class Model:
+    """The record as the daemon drives it, beside a plain ordered dict of what is live, and a
+    per-block 'data' that changes whenever a block id is reused."""
+
+    def __init__(self) -> None:
+        self.record = PublishedRecord()
+        self.live: dict[int, str] = {}  # block id -> data, in publication order
+        self.generation = 0
+
+    def data(self, block_id: int) -> str:
+        return self.live[block_id]
+
+    def publish(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self.generation += 1
+            self.live[block_id] = f"{block_id}@{self.generation}"
+        self.record.add(block_ids)
+
+    def remove(self, block_id: int) -> None:
+        assert self.record.discard(block_id)
+        del self.live[block_id]
+
+
+def drain(view, model: Model, step: int = 3) -> list[tuple[int, str]]:
+    out = []
+    while not view.finished:
+        for block_id, saved in view.take(step):
+            out.append((block_id, saved if saved is not None else model.data(block_id)))
+    return out
+
+
+def test_view_sees_the_state_when_taken_despite_removal_and_reuse() -> None:
+    model = Model()
+    model.publish([1, 2, 3, 4])
+    before = list(model.live.items())
+    view = model.record.freeze(model.data)
+    assert view is not None and view.count == 4
+    model.remove(2)
+    model.remove(4)
+    model.publish([4, 9])  # id 4 reused with new data, 9 new: neither belongs to the view
+    assert drain(view, model) == before
+    view.close()
+    assert list(model.record) == list(model.live)
+
+
+def test_removal_after_a_block_was_read_needs_no_capture() -> None:
+    model = Model()
+    model.publish([5, 6])
+    captured: list[int] = []
+
+    def capture(block_id: int) -> str:
+        captured.append(block_id)
+        return model.data(block_id)
+
+    view = model.record.freeze(capture)
+    assert view is not None
+    assert [b for b, _ in view.take(1)] == [5]
+    model.remove(5)  # already read: no capture
+    model.remove(6)  # not yet read: captured now
+    assert captured == [6]
+    assert [b for b, _ in view.take(10)] == [6]
+
+
+def test_compaction_waits_for_views_and_keeps_order() -> None:
+    model = Model()
+    ids = list(range(10_000))
+    model.publish(ids)
+    for block_id in ids[::2]:
+        model.remove(block_id)
+    model.publish(ids[::2])  # republished: the log holds 15 000 entries, 10 000 live
+    view = model.record.freeze(model.data)
+    assert view is not None
+    # A view is open: no compaction starts, the view stays valid.
+    assert model.record.compact_some(step=10) is True
+    assert drain(view, model, step=1000) == list(model.live.items())
+    view.close()
+    for block_id in ids[:8000]:
+        model.remove(block_id)
+    assert model.record.needs_compaction
+    while not model.record.compact_some(step=1000):
+        # Publications and removals go on while a compaction is under way.
+        assert model.record.freeze(model.data) is None
+        model.publish([20_000 + len(model.live)])
+        model.remove(next(iter(model.live)))
+    assert not model.record.needs_compaction
+    assert list(model.record) == list(model.live)
+    assert len(model.record) == len(model.live)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_random_histories(data: st.DataObject) -> None:
+    """Random interleavings of publications, removals, id reuse, views and compaction."""
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    model = Model()
+    views = []
+    free = list(range(64))
+    for _ in range(data.draw(st.integers(1, 200))):
+        action = rng.random()
+        if action < 0.45 and free:
+            run = [free.pop(rng.randrange(len(free))) for _ in range(rng.randint(1, 3)) if free]
+            model.publish(run)
+        elif action < 0.8 and model.live:
+            block_id = rng.choice(list(model.live))
+            model.remove(block_id)
+            free.append(block_id)
+        elif action < 0.9:
+            view = model.record.freeze(model.data)
+            if view is not None:
+                views.append((view, list(model.live.items())))
+        elif views:
+            view, expected = views.pop(rng.randrange(len(views)))
+            assert drain(view, model) == expected
+            view.close()
+        else:
+            model.record.compact_some(step=rng.randint(1, 50))
+    for view, expected in views:
+        assert drain(view, model) == expected
+        view.close()
+    while not model.record.compact_some():
+        pass
+    assert list(model.record) == list(model.live)

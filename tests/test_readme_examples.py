@@ -1,0 +1,80 @@
+"""The README's Python examples run exactly as printed, against a daemon started the way the
+quick start starts it: `kvpubd serve` with the defaults (events on tcp port 5557, replay on
+5657), its control socket in a private runtime directory (XDG_RUNTIME_DIR, which the examples'
+default `ControlClient()` follows as well)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpubd.client import ControlClient, ControlTimeout
+from tests.daemon import wait_for
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+EXAMPLES = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+# The default ports are machine-wide: runs of this test in other checkouts take turns.
+LOCK = Path("/tmp/kvpubd-readme-examples.lock")
+
+
+@pytest.fixture(scope="module")
+def quick_start_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    runtime = tmp_path_factory.mktemp("run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUBD_")}
+    env.update(XDG_RUNTIME_DIR=str(runtime), PYTHONUNBUFFERED="1")
+    log = runtime / "daemon.log"
+    with open(LOCK, "w") as lock, open(log, "wb") as output:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "kvpubd", "serve"], stdout=output, stderr=output, env=env
+        )
+        try:
+            endpoint = f"ipc://{runtime}/kvpubd/control.sock"
+
+            def answers() -> bool:
+                assert daemon.poll() is None, f"kvpubd serve exited:\n{log.read_text()}"
+                try:
+                    with ControlClient(endpoint, timeout=0.2) as client:
+                        return bool(client.ping())
+                except ControlTimeout:
+                    return False
+
+            wait_for(answers, timeout=30, what="the quick start's daemon")
+            yield env
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+
+
+def test_readme_has_the_examples() -> None:
+    """Control, Subscriber, AsyncSubscriber and map_pool each have a runnable example."""
+    text = "\n".join(EXAMPLES)
+    for name in ("ControlClient(", "Subscriber(", "AsyncSubscriber(", "map_pool(", ".batch."):
+        assert name in text, name
+
+
+@pytest.mark.parametrize("index", range(len(EXAMPLES)))
+def test_readme_example_runs(quick_start_env: dict[str, str], index: int) -> None:
+    code = EXAMPLES[index]
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=quick_start_env,
+    )
+    assert result.returncode == 0, f"example {index}:\n{code}\n{result.stderr}"
+    assert result.stdout.strip(), f"example {index} printed nothing"
+    print(result.stdout)  # shown with -s: what a reader of the README would see

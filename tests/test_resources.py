@@ -1,0 +1,211 @@
+"""Resources strangers can use up: file descriptors (a flood of idle TCP connections) and
+shared memory (a pool larger than /dev/shm). Real daemons, real limits."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvpubd.daemon.pool import PoolDoesNotFit, check_shm_space, reserve_pages
+from kvpubd.protocol.config import CacheConfig
+from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
+from kvpubd.tools.launcher import free_tcp_ports
+from tests.daemon import Daemon, wait_for, write_config
+from tests.streams import prompt
+
+DAEMON_FDS = 256  # the daemon's soft and hard limit: a raise cannot lift it
+FLOOD = 2000
+
+
+@pytest.fixture
+def many_fds() -> Iterator[None]:
+    """This test process holds FLOOD sockets at once: raise its own soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < FLOOD + 500:
+        pytest.skip(f"hard fd limit {hard} is below the {FLOOD + 500} this test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def low_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (DAEMON_FDS, DAEMON_FDS))
+
+
+def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
+    many_fds: None,
+) -> None:
+    """2000 idle TCP connections over the PUB, replay and metrics ports of a daemon limited to
+    256 fds. Before the caps, the next ipc control connection made libzmq abort ('Too many open
+    files'). Now the daemon answers a reset from a new control client, and a subscriber that
+    connected before the flood receives its marker."""
+    events, replay, metrics = free_tcp_ports(3)
+    daemon = Daemon(
+        {
+            "events": {
+                "endpoint": f"tcp://127.0.0.1:{events}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            },
+            "metrics": {"port": metrics},
+        }
+    )
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.subscribe(b"")
+    flood: list[socket.socket] = []
+    try:
+        daemon.start(preexec_fn=low_fd_limit)
+        sub.connect(f"tcp://127.0.0.1:{events}")
+        with daemon.client() as client:
+
+            def live() -> bool:
+                client.store("probe", prompt(1, 1))
+                client.release("probe")
+                return bool(sub.poll(100))
+
+            wait_for(live, what="the subscriber to receive")
+        while sub.poll(100):
+            sub.recv_multipart()
+
+        for i in range(FLOOD):
+            conn = socket.socket()
+            conn.setblocking(False)  # the kernel completes what it admits; no waiting here
+            conn.connect_ex(("127.0.0.1", (events, replay, metrics)[i % 3]))
+            flood.append(conn)
+        # The caps took effect (each listener logs when it stops admitting).
+        wait_for(lambda: "the cap; refusing new ones" in daemon.log(), what="a connection cap")
+        assert daemon.alive(), daemon.log()
+
+        with daemon.client() as client:  # a new ipc connection, while the flood holds
+            marker = client.reset(force=True)[0]["seq"]
+        assert sub.poll(10_000), "no marker reached the subscriber"
+        _topic, seq, payload = sub.recv_multipart()
+        assert int.from_bytes(seq, "big") == marker
+        assert decode_batch(payload).events == [AllBlocksCleared()]
+        assert daemon.alive()
+    finally:
+        for conn in flood:
+            conn.close()
+        sub.close()
+        context.term()
+        try:
+            if daemon.alive():
+                assert daemon.stop() == 0, daemon.log()
+            else:
+                pytest.fail(f"the daemon died:\n{daemon.log()[-3000:]}")
+        finally:
+            daemon.cleanup()
+
+
+def serve(config: Path, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*(prefix or []), sys.executable, "-m", "kvpubd", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def one_error_line(stderr: str) -> str:
+    """The daemon's start-up log may precede it; the error is one line, the last, and no
+    traceback."""
+    assert "Traceback" not in stderr and "Bus error" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("kvpubd: ")]
+    assert len(errors) == 1 and stderr.strip().endswith(errors[0]), stderr
+    return errors[0]
+
+
+def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> None:
+    """Before: the daemon logged `ready` and died of SIGBUS under load. Now: exit 2, one line."""
+    stats = os.statvfs("/dev/shm")
+    geometry = {"num_layers": 64, "num_kv_heads": 8, "head_dim": 128}
+    block_bytes = CacheConfig(**geometry).block_bytes
+    free = stats.f_bavail * stats.f_frsize
+    config = tmp_path / "kvpubd.toml"
+    write_config(
+        config,
+        {
+            "control": {"endpoint": f"ipc://{tmp_path}/control"},
+            "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+            "cache": {
+                "num_blocks": free // block_bytes + 64,
+                **geometry,
+            },
+        },
+    )
+    result = serve(config)
+    assert result.returncode == 2, result.stderr
+    error = one_error_line(result.stderr)
+    assert error.startswith("kvpubd: cannot start: pool (") and "MiB free" in error
+    assert "does not fit in /dev/shm" in error
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs (mounting needs root)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)])
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_pages_are_reserved_or_refused_on_a_small_tmpfs(small_tmpfs: Path) -> None:
+    """The start-up check and the reservation against a real 4 MiB tmpfs: what fits is
+    allocated at once (no page left to fail on first touch), what does not is refused."""
+    check_shm_space(3 << 20, "pool", small_tmpfs)
+    with pytest.raises(PoolDoesNotFit, match=r"pool does not fit in .*: 4\.0 MiB free of 4\.0"):
+        check_shm_space(5 << 20, "pool", small_tmpfs)
+    fd = os.open(small_tmpfs / "segment", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        reserve_pages(fd, 3 << 20, "pool", small_tmpfs)
+        assert os.fstat(fd).st_blocks * 512 >= 3 << 20  # allocated, not a sparse promise
+        other = os.open(small_tmpfs / "other", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            # The check passed for 2 MiB a moment ago; now only 1 MiB is left.
+            with pytest.raises(PoolDoesNotFit, match="No space left on device"):
+                reserve_pages(other, 2 << 20, "pool", small_tmpfs)
+        finally:
+            os.close(other)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_daemon_in_a_small_dev_shm_exits_2(tmp_path: Path) -> None:
+    """A real daemon whose /dev/shm is a 64 MiB tmpfs (Docker's default), with a 256 MiB pool
+    (4096 blocks at the default geometry): exit 2, one line, nothing left in that /dev/shm."""
+    config = tmp_path / "kvpubd.toml"
+    write_config(
+        config,
+        {
+            "control": {"endpoint": f"ipc://{tmp_path}/control"},
+            "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+            "cache": {"num_blocks": 4096, "num_layers": 32},
+        },
+    )
+    script = (
+        'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"; echo "mount failed" >&2; exit 99'
+    )
+    result = serve(config, ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh"])
+    if result.returncode == 99 or "unshare failed" in result.stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {result.stderr.strip()}")
+    assert result.returncode == 2, result.stderr
+    error = one_error_line(result.stderr)
+    assert "does not fit in /dev/shm" in error and "64.0 MiB free of 64.0 MiB" in error

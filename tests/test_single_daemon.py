@@ -1,0 +1,188 @@
+"""One daemon per control endpoint, decided by a lock: a second daemon on the same config exits 1
+with one line naming the first's pid and touches nothing of it (sockets, socket file, pool
+segment), however busy or deaf to it (CURVE) the first is. Abstract ipc control names work; a
+failed start leaves no directory behind and does not log `stopped`."""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvpubd.client import ControlClient
+from kvpubd.daemon.pool import pool_segment_name
+from kvpubd.protocol.auth import create_keys
+from kvpubd.protocol.wire import decode_batch
+from kvpubd.tools.launcher import free_tcp_ports
+from tests.daemon import Daemon, wait_for, write_config
+from tests.streams import prompt
+
+
+def serve(config: Path, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpubd", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def published_after(daemon: Daemon, client: ControlClient) -> bool:
+    """A subscriber connected now receives the batch of a store made now."""
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.subscribe(b"")
+    sub.connect(f"{daemon.events_endpoint}_dp0")
+    try:
+
+        def stored() -> bool:
+            client.store("probe", prompt(7, 1))
+            client.release("probe")
+            if not sub.poll(200):
+                return False
+            return bool(decode_batch(sub.recv_multipart()[-1]).events)
+
+        return wait_for(stored, what="a batch from the first daemon")
+    finally:
+        sub.close()
+
+
+@pytest.mark.parametrize("first", ["curve", "busy"])
+def test_second_daemon_refuses_and_touches_nothing(tmp_path: Path, first: str) -> None:
+    overrides: dict = {}
+    curve = None
+    if first == "curve":
+        # The first daemon cannot answer an unauthenticated ping: a ping probe calls it dead.
+        _, server_secret = create_keys(tmp_path / "server", "server")
+        client_public, client_secret = create_keys(tmp_path / "client", "client")
+        allowed = tmp_path / "allowed"
+        allowed.mkdir()
+        (allowed / "client.key").write_bytes(client_public.read_bytes())
+        overrides["control"] = {
+            "curve_secret_key": str(server_secret),
+            "curve_authorized_keys": str(allowed),
+        }
+        curve = (client_secret, tmp_path / "server" / "server.key")
+    daemon = Daemon(overrides, curve=curve)
+    try:
+        daemon.start()
+        control_file = Path(daemon.control_endpoint.removeprefix("ipc://"))
+        segment = Path("/dev/shm") / pool_segment_name(daemon.control_endpoint, 0)
+        assert control_file.exists() and segment.exists()
+        with daemon.client() as client:
+            if first == "busy":
+                # A loop that does not answer for a while (stopped here, so for as long as the
+                # second daemon takes): a ping probe would call it dead.
+                daemon.proc.send_signal(signal.SIGSTOP)
+            try:
+                second = serve(daemon.config_path)
+            finally:
+                daemon.proc.send_signal(signal.SIGCONT)
+            assert second.returncode == 1, second.stderr
+            assert second.stderr.strip().splitlines() == [
+                f"kvpubd: cannot start: control endpoint {daemon.control_endpoint} is in use "
+                f"by a running daemon (pid {daemon.proc.pid})"
+            ]
+            # Nothing of the first was touched: it answers, its files exist, it publishes.
+            assert daemon.alive()
+            assert client.ping()["epoch"] == daemon.epoch
+            assert control_file.exists() and segment.exists()
+            assert published_after(daemon, client)
+        assert "removed stale" not in daemon.log()
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_second_daemon_on_a_tcp_control_endpoint_refuses(tmp_path: Path) -> None:
+    events, replay, control = free_tcp_ports(3)
+    daemon = Daemon({"control": {"endpoint": f"tcp://127.0.0.1:{control}"}})
+    try:
+        daemon.control_endpoint = f"tcp://127.0.0.1:{control}"
+        daemon.start()
+        # Other PUB and replay ports: only the lock can stop this one.
+        config = tmp_path / "second.toml"
+        write_config(
+            config,
+            {
+                **daemon.settings,
+                "events": {
+                    "endpoint": f"tcp://127.0.0.1:{events}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                },
+            },
+        )
+        second = serve(config)
+        assert second.returncode == 1
+        assert f"is in use by a running daemon (pid {daemon.proc.pid})" in second.stderr
+        with daemon.client() as client:
+            assert client.ping()["epoch"] == daemon.epoch
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
+def test_abstract_ipc_control_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ipc://@name` binds an abstract socket: no file named `@name` is made, chmod-ed or
+    removed (a file of that name in the working directory survives), and the lock holds."""
+    monkeypatch.chdir(tmp_path)
+    name = f"@kvpubd-test-{secrets.token_hex(6)}"
+    bystander = tmp_path / name
+    bystander.write_text("not the daemon's")
+    daemon = Daemon({"control": {"endpoint": f"ipc://{name}"}})
+    daemon.control_endpoint = f"ipc://{name}"
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            assert client.reset()[0]["rank"] == 0
+        second = serve(daemon.config_path)
+        assert second.returncode == 1
+        assert f"control endpoint ipc://{name} is in use" in second.stderr
+        assert daemon.stop() == 0
+        assert bystander.read_text() == "not the daemon's"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+        # And it can start again on the same name once the first is gone.
+        daemon2 = Daemon({"control": {"endpoint": f"ipc://{name}"}})
+        daemon2.control_endpoint = f"ipc://{name}"
+        try:
+            daemon2.start()
+            assert daemon2.stop() == 0
+        finally:
+            daemon2.cleanup()
+    finally:
+        daemon.cleanup()
+
+
+def test_failed_start_leaves_no_directory_and_logs_no_stopped(tmp_path: Path) -> None:
+    """A start that fails after the control socket's directory was made (its PUB port is
+    taken) removes that directory again and does not log `stopped`."""
+    blocker = zmq.Context.instance().socket(zmq.PUB)
+    blocker.setsockopt(zmq.LINGER, 0)
+    port = blocker.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        control_dir = tmp_path / "run" / "kvpubd"
+        config = tmp_path / "kvpubd.toml"
+        write_config(
+            config,
+            {
+                "events": {"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": ""},
+                "control": {"endpoint": f"ipc://{control_dir}/control.sock"},
+                "cache": {"num_blocks": 16, "num_layers": 1, "num_kv_heads": 1, "head_dim": 8},
+            },
+        )
+        result = serve(config)
+    finally:
+        blocker.close()
+    assert result.returncode == 1
+    assert "kvpubd: cannot start:" in result.stderr
+    assert "stopped" not in result.stderr
+    assert not (tmp_path / "run").exists()
+    assert not list(
+        Path("/dev/shm").glob(pool_segment_name(f"ipc://{control_dir}/control.sock", 0))
+    )
