@@ -78,6 +78,20 @@ def reference_chain(
     return chain_hashes(tokens, lora_id=lora_id, cache_salt=salt)  # type: ignore[return-value]
 
 
+def vllm_extra_keys(
+    first: int, count: int, lora_name: str | None = None, salt: str | None = None
+) -> list[tuple[Any, ...] | None] | None:
+    """``extra_keys`` of blocks ``first .. first+count-1`` of one prompt as vLLM 0.33 publishes
+    them (``generate_block_hash_extra_keys`` then ``to_event_extra_keys``): per block, the LoRA
+    name, then the salt on the prompt's first block only; None where a block has none."""
+    lora = () if lora_name is None else (lora_name,)
+    keys = [
+        ((*lora, salt) if i == 0 and salt is not None else lora) or None
+        for i in range(first, first + count)
+    ]
+    return keys if any(k is not None for k in keys) else None
+
+
 def is_marker(event: Event) -> bool:
     return isinstance(event, AllBlocksCleared)
 

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpubd.tools.vllm_peer import kv_events_path
 
-def bench(*args: str) -> dict[str, Any]:
+
+def bench(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     result = subprocess.run(
         [sys.executable, "-m", "kvpubd", "bench", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=180,
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -41,6 +46,35 @@ def test_bench_publisher_and_index() -> None:
     assert publisher["events_per_s"] > 0 and publisher["floor_events_per_s"] > 0
     index = bench("index", "--blocks", "4096", "--chain", "16", "--rounds", "20")
     assert index["blocks"] == 4096 and index["ops_per_s"] > 0 and index["bytes_per_block"] > 0
+
+
+def test_bench_throughput_over_ranks_and_under_paced_load() -> None:
+    """Two ranks: every rank's subscriber counts its blocks; then resets are timed under a
+    paced load at two fractions of the measured rate."""
+    ranks = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096",
+                  "--ranks", "2")  # fmt: skip
+    assert ranks["ranks"] == 2 and ranks["gaps"] == 0 and ranks["blocks"] > 0
+    assert ranks["daemon_cpu_us_per_block"] > 0
+    loaded = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096",
+                   "--load-fraction", "0.5", "--load-fraction", "0.9", "--resets", "3")  # fmt: skip
+    rows = loaded["reset_under_load"]
+    assert [row["load_fraction"] for row in rows] == [0.5, 0.9]
+    for row in rows:
+        assert row["n"] == 3 and 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
+        assert row["stores_per_s"] > 0
+
+
+def test_bench_against_vllm_is_skipped_cleanly_without_its_file(tmp_path: Path) -> None:
+    missing = tmp_path / "kv_events.py"
+    result = bench("publisher", "--against-vllm", env={"KVPUBD_VLLM_KV_EVENTS": str(missing)})
+    assert str(missing) in result["skipped"]
+
+
+@pytest.mark.skipif(not kv_events_path().is_file(), reason="vLLM's kv_events.py not extracted")
+def test_bench_against_vllm_decodes_both_streams_with_vllms_types() -> None:
+    result = bench("publisher", "--against-vllm", "--batches", "20", "--rounds", "1")
+    assert result["kvpubd_blocks_per_s"] > 0 and result["vllm_blocks_per_s"] > 0
+    assert result["kvpubd_cpu_us_per_block"] > 0 and result["vllm_cpu_us_per_block"] > 0
 
 
 @pytest.mark.parametrize("load", ["snapshot", "replay-flood", "big-store", "idle-conns"])

@@ -13,7 +13,7 @@ from kvpubd.client import ControlError, Mirror, Received, SnapshotReply, StatsRe
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
-from tests.streams import reference_chain
+from tests.streams import reference_chain, vllm_extra_keys
 
 BS = 16  # the test daemon's block_size
 MEDIUM = "CPU"  # NumPy pool
@@ -53,6 +53,8 @@ def stored(
         lora_id,
         MEDIUM,
         lora_name,
+        extra_keys=vllm_extra_keys(first, count, lora_name, salt),
+        cache_salt=salt,
     )
 
 

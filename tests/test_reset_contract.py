@@ -39,6 +39,7 @@ from tests.streams import (
     prompt,
     seq_key,
     stores,
+    vllm_extra_keys,
 )
 
 StartDaemon = Callable[..., Daemon]
@@ -285,7 +286,15 @@ def test_same_prompt_after_reset_is_stored_again_with_same_hashes(
     full = tokens[: 3 * BLOCK_SIZE]
     hashes = chain_hashes(tokens, lora_id=extra.get("lora_id"), cache_salt=extra.get("cache_salt"))
     expected = BlockStored(
-        hashes, None, full, BLOCK_SIZE, extra.get("lora_id"), "CPU", extra.get("lora_name")
+        hashes,
+        None,
+        full,
+        BLOCK_SIZE,
+        extra.get("lora_id"),
+        "CPU",
+        extra.get("lora_name"),
+        extra_keys=vllm_extra_keys(0, 3, extra.get("lora_name"), extra.get("cache_salt")),
+        cache_salt=extra.get("cache_salt"),
     )
     with live(daemon) as (client, tap):
         before = tap.last_seq()

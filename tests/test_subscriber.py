@@ -69,7 +69,7 @@ STREAM: list[list[Event]] = [
     [AllBlocksCleared()],
     [stored(1)],
     [stored(2, 1)],
-    [BlockRemoved([2])],
+    [BlockRemoved([2], None)],
     [stored(3, 1)],
     [stored(4, 3)],
 ]
@@ -152,7 +152,7 @@ def test_tracker_resyncs_from_the_snapshot_when_history_is_gone() -> None:
     stream = tracker.streams[0]
     assert stream.mirror is not None and set(stream.mirror.blocks) == {1, 3, 4, 9}
     assert tracker.on_live(0, live(6, [stored(9, 4)])) == []  # covered by the snapshot
-    assert seqs(tracker.on_live(0, live(7, [BlockRemoved([9])]))) == [7]
+    assert seqs(tracker.on_live(0, live(7, [BlockRemoved([9], None)]))) == [7]
     assert set(stream.mirror.blocks) == {1, 3, 4}
     c = stream.counters
     assert (c.resyncs, c.gaps_repaired, c.lost, c.restarts, c.duplicates) == (1, 0, 0, 0, 1)
@@ -308,7 +308,7 @@ def test_tracker_without_control_lost_history_waits_for_a_reset_marker() -> None
     assert seqs(tracker.on_replay(0, 1, replayed(4, 5))) == [4, 5]
     stream = tracker.streams[0]
     assert stream.counters.lost == 2 and not stream.synced
-    tracker.on_live(0, live(6, [BlockRemoved([99]), AllBlocksCleared(), stored(7)]))
+    tracker.on_live(0, live(6, [BlockRemoved([99], None), AllBlocksCleared(), stored(7)]))
     assert stream.synced and stream.mirror is not None and set(stream.mirror.blocks) == {7}
     assert stream.counters.violations == 0
 
@@ -318,7 +318,7 @@ def test_tracker_invariant_violation(control: bool) -> None:
     """A batch that breaks an invariant (removing an unknown block) is counted; with control
     the rank resyncs from the snapshot, without it waits for a reset marker."""
     tracker = connected(control=control, upto=2)
-    tracker.on_live(0, live(3, [BlockRemoved([42])]))
+    tracker.on_live(0, live(3, [BlockRemoved([42], None)]))
     stream = tracker.streams[0]
     assert stream.counters.violations == 1
     if control:

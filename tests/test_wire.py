@@ -2,7 +2,9 @@
 
 The decoders below are msgspec structs written from vLLM's own field lists: vLLM 0.33's tagged
 maps (``wire_format = "map"``) and vLLM 0.23's tagged arrays (``wire_format = "array"``). They
-are strict: a missing required field, an unknown key or a wrong type fails the decode.
+are strict: a missing required field, an unknown key or a wrong type fails the decode. The one
+key beyond vLLM's list is the map form's ``cache_salt``, which NVIDIA Dynamo's decoder reads
+(vLLM's own decoders ignore unknown keys).
 kvpubd.protocol.wire is deliberately not used for decoding anywhere in this file.
 """
 
@@ -46,10 +48,11 @@ class MapBlockStored(MapEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    cache_salt: str | None = None  # Dynamo 1.6.1's zmq_wire/deserialize.rs reads it
 
 
 class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
@@ -85,7 +88,7 @@ class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[Any] | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -209,6 +212,7 @@ class Capture:
     replayed: list[list[bytes]]  # replay from 0: [topic, seq, payload]
     first_seq: int
     last_seq: int
+    salts: dict[str | None, str]  # the workload's salt by LoRA name
 
 
 def run_workload(daemon: Daemon, wire_format: str, topic: str) -> Capture:
@@ -253,7 +257,9 @@ def run_workload(daemon: Daemon, wire_format: str, topic: str) -> Capture:
     finally:
         sub.close()
     replayed = replay_raw(f"{daemon.replay_endpoint}_dp0", 0)
-    return Capture(wire_format, topic, 16, live, replayed, daemon.first_seq(), last)
+    return Capture(
+        wire_format, topic, 16, live, replayed, daemon.first_seq(), last, {"adapter-b": "s"}
+    )
 
 
 @pytest.fixture(
@@ -355,8 +361,10 @@ def test_strict_vllm_decoders_accept_everything(capture: Capture) -> None:
 
 
 def test_raw_events_carry_exactly_the_documented_fields(capture: Capture) -> None:
-    """Map mode: BlockStored has exactly the 8 required keys (nil where empty), BlockRemoved
-    type/block_hashes/medium, AllBlocksCleared only type. Array mode: 12/4/1 elements."""
+    """Map mode: BlockStored has the 8 required keys (nil where empty), plus ``extra_keys``
+    exactly when a block has extra keys (a LoRA name, or a salt on a prompt's first block) and
+    ``cache_salt`` exactly when the store is salted; BlockRemoved type/block_hashes/medium,
+    AllBlocksCleared only type. Array mode: 12/4/1 elements."""
     seen = set()
     for payload in all_payloads(capture):
         raw = msgpack.unpackb(payload, strict_map_key=False)
@@ -370,6 +378,13 @@ def test_raw_events_carry_exactly_the_documented_fields(capture: Capture) -> Non
                     "BlockRemoved": {"type", "block_hashes", "medium"},
                     "AllBlocksCleared": {"type"},
                 }[kind]
+                if kind == "BlockStored":
+                    salt = capture.salts.get(event["lora_name"])
+                    at_root = event["parent_block_hash"] is None
+                    if event["lora_name"] is not None or (salt and at_root):
+                        expected = expected | {"extra_keys"}
+                    if salt:
+                        expected = expected | {"cache_salt"}
                 assert set(event) == expected, event
             else:
                 assert isinstance(event, list)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 
@@ -40,16 +42,18 @@ class Mirror:
         parent = event.parent_block_hash
         if parent is not None and parent not in self.blocks:
             raise MirrorError(f"BlockStored parent {parent!r} is not live")
+        extra_keys = event.extra_keys
+        if extra_keys is not None and len(extra_keys) != len(event.block_hashes):
+            raise MirrorError("extra_keys has not one entry per block")
         for i, block_hash in enumerate(event.block_hashes):
             if block_hash in self.blocks:
                 raise MirrorError(f"BlockStored repeats live block {block_hash!r}")
-            self.blocks[block_hash] = BlockStored(
-                [block_hash],
-                parent,
-                event.token_ids[i * size : (i + 1) * size],
-                size,
-                event.lora_id,
-                event.medium,
-                event.lora_name,
+            # The block as a one-block store: what a snapshot of the daemon reports.
+            self.blocks[block_hash] = msgspec.structs.replace(
+                event,
+                block_hashes=[block_hash],
+                parent_block_hash=parent,
+                token_ids=event.token_ids[i * size : (i + 1) * size],
+                extra_keys=None if extra_keys is None or extra_keys[i] is None else [extra_keys[i]],
             )
             parent = block_hash

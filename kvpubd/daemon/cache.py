@@ -10,7 +10,7 @@ import numpy as np
 
 from kvpubd.daemon.pool import create_pool
 from kvpubd.daemon.radix import ROOT, RadixIndex
-from kvpubd.daemon.sink import EventSink
+from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
 from kvpubd.protocol.config import CacheConfig
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
 from kvpubd.protocol.wire import BlockStored
@@ -42,7 +42,7 @@ class StorePlan:
     request_id: RequestId
     tokens: np.ndarray
     digests: list[bytes]
-    lora: tuple[int | None, str | None] | None
+    keys: StoreKeys  # what the store mixes into its blocks' identity, as published
     matched: list[int]
     has_tail: bool
     generation: int
@@ -91,7 +91,7 @@ class RankCache:
     ) -> tuple[list[int], int]:
         """Match the cached prefix, allocate and pin the rest; return (block_ids, cached tokens)."""
         digests = chain_digests(tokens, self.block_size, root_key(lora_id, cache_salt))
-        plan = self.plan_store(request_id, tokens, digests, lora_id, lora_name)
+        plan = self.plan_store(request_id, tokens, digests, lora_id, lora_name, cache_salt)
         self.insert_some(plan, len(digests))
         return self.finish_store(plan)
 
@@ -102,6 +102,7 @@ class RankCache:
         digests: list[bytes],
         lora_id: int | None,
         lora_name: str | None,
+        cache_salt: str | None,
     ) -> StorePlan:
         """Check that a store can be done and pin its cached prefix; nothing else changes. The
         plan is then carried out by ``insert_some`` (in slices, if the caller wants) and
@@ -126,7 +127,7 @@ class RankCache:
             request_id,
             tokens,
             digests,
-            (lora_id, lora_name) if lora_id or lora_name else None,
+            store_keys(lora_id, lora_name, cache_salt),
             matched,
             has_tail,
             self.generation,
@@ -144,7 +145,7 @@ class RankCache:
             if shortfall > 0:
                 self._evict(shortfall)
             ids = self.pool.allocate(len(digests))
-            index.insert_run(digests, ids, plan.last, plan.lora)
+            index.insert_run(digests, ids, plan.last, plan.keys)
             self.tokens[ids] = plan.tokens[start * size : (start + len(ids)) * size].reshape(
                 len(ids), size
             )
@@ -165,15 +166,13 @@ class RankCache:
             first = len(matched) * size
             new_tokens = plan.tokens[first : first + len(new_ids) * size]
             wire_hash = self.wire_hash
-            lora_id, lora_name = plan.lora or (None, None)
             self.sink.stored(
-                parent if parent != ROOT else None,
-                new_ids,
-                wire_hash(plan.digests[len(matched) :]),
-                wire_hash([index.digest[parent]])[0] if parent != ROOT else None,
-                new_tokens,
-                lora_id,
-                lora_name,
+                parent_block=parent if parent != ROOT else None,
+                block_ids=new_ids,
+                hashes=wire_hash(plan.digests[len(matched) :]),
+                parent_hash=wire_hash([index.digest[parent]])[0] if parent != ROOT else None,
+                token_ids=new_tokens,
+                keys=plan.keys,
             )
         self.leases[plan.request_id] = Lease(matched + new_ids, tail[0] if tail else None)
         return matched + new_ids + tail, len(matched) * size
@@ -182,7 +181,7 @@ class RankCache:
         evicted = self.index.evict(count)
         digest = self.index.digest
         hashes = self.wire_hash([digest[block_id] for block_id in evicted])
-        self.sink.removed(zip(evicted, hashes, strict=True))
+        self.sink.removed(evicted, hashes)
         self.pool.free(evicted)
 
     def release(self, request_id: RequestId) -> int:
@@ -209,22 +208,20 @@ class RankCache:
         size = self.block_size
         medium = self.sink.medium
         index = self.index
-        digest, parent_of, lora_of, tokens = index.digest, index.parent, index.lora, self.tokens
+        digest, parent_of, keys_of, tokens = index.digest, index.parent, index.keys, self.tokens
         parents = [parent_of[b] for b in block_ids]
         hashes = self.wire_hash([digest[b] for b in block_ids])
         parent_hashes = self.wire_hash([digest[p] for p in parents if p != ROOT])[::-1]
         events = []
         for block_id, block_hash, parent in zip(block_ids, hashes, parents, strict=True):
-            lora_id, lora_name = lora_of[block_id] or (None, None)
             events.append(
-                BlockStored(
-                    [block_hash],
-                    parent_hashes.pop() if parent != ROOT else None,
-                    tokens[block_id].tolist(),
-                    size,
-                    lora_id,
-                    medium,
-                    lora_name,
+                stored_event(
+                    hashes=[block_hash],
+                    parent_hash=parent_hashes.pop() if parent != ROOT else None,
+                    token_ids=tokens[block_id].tolist(),
+                    block_size=size,
+                    medium=medium,
+                    keys=keys_of[block_id],
                 )
             )
         return events

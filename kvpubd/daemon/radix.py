@@ -12,9 +12,17 @@ runs tail-first in least-recently-used order.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from itertools import repeat
+from typing import Any
 
 ROOT = -1  # parent of a first block
+
+
+def _consume(iterator: Iterator[Any]) -> None:
+    """Run an iterator to its end in C (a zero-length deque keeps nothing)."""
+    deque(iterator, maxlen=0)
 
 
 class RadixIndex:
@@ -22,7 +30,9 @@ class RadixIndex:
         self._block_of: dict[bytes, int] = {}
         self.digest: list[bytes] = [b""] * capacity
         self.parent: list[int] = [ROOT] * capacity
-        self.lora: list[tuple[int | None, str | None] | None] = [None] * capacity
+        # What each block's store mixed into its identity (LoRA, salt), exactly as published:
+        # one shared object per store, kept so that a snapshot repeats the stream.
+        self.keys: list[Any] = [None] * capacity
         self._children: list[int] = [0] * capacity
         self._refs: list[int] = [0] * capacity
         # Unpinned leaves, oldest first.
@@ -77,23 +87,27 @@ class RadixIndex:
         digests: list[bytes],
         block_ids: list[int],
         parent: int,
-        lora: tuple[int | None, str | None] | None,
+        keys: Any,
     ) -> None:
         """Add a chain of blocks under ``parent`` (ROOT or a block the caller holds pinned);
         each starts pinned once."""
-        block_of = self._block_of
-        digest_of, parent_of, lora_of = self.digest, self.parent, self.lora
-        children, refs = self._children, self._refs
-        for digest, block_id in zip(digests, block_ids, strict=True):
-            block_of[digest] = block_id
-            digest_of[block_id] = digest
-            parent_of[block_id] = parent
-            lora_of[block_id] = lora
-            children[block_id] = 0
-            refs[block_id] = 1
-            if parent != ROOT:
-                children[parent] += 1
-            parent = block_id
+        # Whole-run updates run in C (dict.update, map over list.__setitem__): no Python
+        # bytecode per block. The chain's parents are the parent, then each block in turn.
+        count = len(block_ids)
+        if len(digests) != count:
+            raise ValueError("one digest per block id")
+        if not count:
+            return
+        self._block_of.update(zip(digests, block_ids, strict=True))
+        _consume(map(self.digest.__setitem__, block_ids, digests))
+        _consume(map(self.parent.__setitem__, block_ids, [parent, *block_ids[:-1]]))
+        _consume(map(self.keys.__setitem__, block_ids, repeat(keys, count)))
+        children = self._children
+        _consume(map(children.__setitem__, block_ids, repeat(1, count - 1)))
+        children[block_ids[-1]] = 0
+        _consume(map(self._refs.__setitem__, block_ids, repeat(1, count)))
+        if parent != ROOT:
+            children[parent] += 1
 
     def evict(self, count: int) -> list[int]:
         """Remove ``count`` least-recently-used unpinned leaves (a parent left childless becomes
@@ -101,17 +115,26 @@ class RadixIndex:
         evictable = self._evictable
         block_of, digest_of, parent_of = self._block_of, self.digest, self.parent
         children, refs = self._children, self._refs
-        evicted = []
-        for _ in range(count):
+        evicted: list[int] = []
+        append = evicted.append
+        while len(evicted) < count:
             block_id, _ = evictable.popitem(last=False)
-            del block_of[digest_of[block_id]]
-            evicted.append(block_id)
-            parent = parent_of[block_id]
-            if parent != ROOT:
+            while True:
+                del block_of[digest_of[block_id]]
+                append(block_id)
+                parent = parent_of[block_id]
+                if parent == ROOT:
+                    break
                 children[parent] -= 1
-                if children[parent] == 0 and refs[parent] == 0:
+                if children[parent] or refs[parent]:
+                    break
+                if len(evicted) == count:
+                    # The parent is now the least recently used leaf: first in line.
                     evictable[parent] = None
                     evictable.move_to_end(parent, last=False)
+                    break
+                # It would be popped next anyway: evict it without queueing it.
+                block_id = parent
         self._unpinned -= count
         return evicted
 

@@ -3,12 +3,85 @@ cap, and the record of which blocks are published (so removals and children stay
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
 from kvpubd.daemon.published import PublishedRecord
-from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from kvpubd.protocol.wire import (
+    AllBlocksCleared,
+    BlockExtraKeys,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
+
+
+class StoreKeys(NamedTuple):
+    """What a store mixes into its blocks' identity, exactly as published: one instance per
+    store, shared by the index's record of each of its blocks (no object per block)."""
+
+    lora_id: int | None
+    lora_name: str | None
+    cache_salt: str | None
+    # extra_keys entries as vLLM 0.33 publishes them: ``root`` for a prompt's first block
+    # (LoRA name, then the salt), ``rest`` for every later block (LoRA name only).
+    root: BlockExtraKeys | None
+    rest: BlockExtraKeys | None
+
+    @classmethod
+    def of(cls, lora_id: int | None, lora_name: str | None, cache_salt: str | None) -> StoreKeys:
+        if lora_id is not None and lora_name is None:
+            # Routers key LoRA blocks by name (Dynamo ignores lora_id): a stable generated
+            # name keeps this adapter's blocks apart from plain ones there too.
+            lora_name = f"lora-{lora_id}"
+        lora = () if lora_name is None else (lora_name,)
+        root = (*lora, cache_salt) if cache_salt is not None else lora
+        return cls(lora_id, lora_name, cache_salt, root or None, lora or None)
+
+    def extra_keys(self, count: int, at_root: bool) -> list[BlockExtraKeys | None] | None:
+        """The per-block entries of ``count`` consecutive blocks; ``at_root``: the first of
+        them is the prompt's first block. None when no block has any."""
+        if self.rest is None and (self.root is None or not at_root):
+            return None
+        if at_root:
+            return [self.root, *[self.rest] * (count - 1)]
+        return [self.rest] * count
+
+
+PLAIN = StoreKeys.of(None, None, None)
+
+
+def store_keys(lora_id: int | None, lora_name: str | None, cache_salt: str | None) -> StoreKeys:
+    """The record of what one store mixes into its blocks, shared by all of them (one shared
+    record for every plain store)."""
+    if lora_id is None and lora_name is None and cache_salt is None:
+        return PLAIN
+    return StoreKeys.of(lora_id, lora_name, cache_salt)
+
+
+def stored_event(
+    *,
+    hashes: list[BlockHash],
+    parent_hash: BlockHash | None,
+    token_ids: list[int],
+    block_size: int,
+    medium: str,
+    keys: StoreKeys,
+) -> BlockStored:
+    """One BlockStored for a run of consecutive blocks stored together."""
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent_hash,
+        token_ids=token_ids,
+        block_size=block_size,
+        lora_id=keys.lora_id,
+        medium=medium,
+        lora_name=keys.lora_name,
+        extra_keys=keys.extra_keys(len(hashes), parent_hash is None),
+        cache_salt=keys.cache_salt,
+    )
 
 
 class EventSink:
@@ -28,13 +101,13 @@ class EventSink:
 
     def stored(
         self,
+        *,
         parent_block: int | None,
         block_ids: list[int],
         hashes: list[BlockHash],
         parent_hash: BlockHash | None,
         token_ids: np.ndarray,
-        lora_id: int | None,
-        lora_name: str | None,
+        keys: StoreKeys,
     ) -> None:
         """Capture a newly stored contiguous run of full blocks.
 
@@ -48,25 +121,25 @@ class EventSink:
         if count == 0:
             return
         self._budget -= count
-        self.published.add(block_ids[:count])
+        self.published.add(block_ids[:count] if count < len(block_ids) else block_ids)
         self._pending.append(
-            BlockStored(
-                hashes[:count],
-                parent_hash,
-                token_ids[: count * self.block_size].tolist(),
-                self.block_size,
-                lora_id,
-                self.medium,
-                lora_name,
+            stored_event(
+                hashes=hashes[:count],
+                parent_hash=parent_hash,
+                # The cache's uint32 array itself: the encoder writes it without Python ints.
+                token_ids=token_ids[: count * self.block_size],  # type: ignore[arg-type]
+                block_size=self.block_size,
+                medium=self.medium,
+                keys=keys,
             )
         )
 
-    def removed(self, blocks: Iterable[tuple[int, BlockHash]]) -> None:
+    def removed(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
         """Capture removals; only blocks whose store was published are named."""
         discard = self.published.discard
-        hashes = [block_hash for block_id, block_hash in blocks if discard(block_id)]
-        if hashes:
-            self._pending.append(BlockRemoved(hashes, self.medium))
+        named = [h for block_id, h in zip(block_ids, hashes, strict=True) if discard(block_id)]
+        if named:
+            self._pending.append(BlockRemoved(block_hashes=named, medium=self.medium))
 
     def cleared(self) -> PublishedRecord:
         """Append the reset marker after everything captured; it never counts against the cap.

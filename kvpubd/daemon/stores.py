@@ -104,7 +104,7 @@ class StoreQueue:
             await asyncio.sleep(0)
         while True:
             plan = cache.plan_store(
-                item.request_id, item.tokens, digests, item.lora_id, item.lora_name
+                item.request_id, item.tokens, digests, item.lora_id, item.lora_name, item.cache_salt
             )
             while not cache.insert_some(plan, SLICE_BLOCKS):
                 await asyncio.sleep(0)

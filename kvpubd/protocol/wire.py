@@ -1,46 +1,167 @@
-"""KV-cache event types and their wire encoding (vLLM's format), in one plain place.
+"""KV-cache event types and their wire encoding (vLLM's format), declared once.
 
 Live message: 3 frames ``[topic, seq, payload]``; ``seq`` is 8-byte big-endian and the
 payload is the msgpack array ``[ts, events, data_parallel_rank]``.
+
+Each event type is a tagged ``msgspec.Struct``, as in vLLM's ``kv_events.py``: the struct is
+its own codec. The map form (vLLM >= 0.24) is the struct itself: ``type`` plus the fields,
+the required ones always present (nil where empty), the optional ones omitted while unset.
+The array form (vLLM <= 0.23) is the tag followed by every field in declaration order, nils
+included, up to the last field both forms share; fields declared after it (``MAP_ONLY``)
+travel only in maps. The array decoders are twins generated from the same declarations.
+Adding a field is one line in one class.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+import functools
+import operator
+from typing import Any, ClassVar, Literal
 
-import msgpack
+import msgspec
+import numpy as np
 
 BlockHash = int | bytes
 WireFormat = Literal["map", "array"]
+# One block's extra hash keys, untagged as vLLM 0.33 publishes them: the LoRA name, then
+# multimodal (identifier, offset) pairs, then the cache salt (first block of a prompt only).
+BlockExtraKeys = tuple[Any, ...]
 
 END_SEQ = b"\xff" * 8  # reserved: the replay end marker, never a live seq
 MAX_SEQ = (1 << 64) - 2
 
 
-@dataclass(slots=True)
-class BlockStored:
+class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Base of the event types; the tag (``type`` in maps) is the class name."""
+
+    # Trailing fields that only the map form carries (the array form has no slot for them).
+    MAP_ONLY: ClassVar[tuple[str, ...]] = ()
+
+
+class BlockStored(KVCacheEvent):
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
+    # Decoded as a list; to encode, the daemon hands over the cache's own uint32 array (see
+    # ``_encode_array``), so no Python int is made per token.
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    # One entry per block (None for a block without extra keys); None when no block has any.
+    extra_keys: list[BlockExtraKeys | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    # Map form only: the store's cache salt, on every store of a salted prompt (NVIDIA
+    # Dynamo's indexer reads it; vLLM's decoders ignore unknown keys).
+    cache_salt: str | None = None
+
+    MAP_ONLY: ClassVar[tuple[str, ...]] = ("cache_salt",)
 
 
-@dataclass(slots=True)
-class BlockRemoved:
+class BlockRemoved(KVCacheEvent):
     block_hashes: list[BlockHash]
-    medium: str | None = None
+    medium: str | None
+    group_idx: int | None = None
 
 
-@dataclass(slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(KVCacheEvent):
     pass
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+EVENT_TYPES: tuple[type[KVCacheEvent], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+# -- the array form, derived from the declarations above ------------------------------------
+
+
+def _array_length(cls: type[KVCacheEvent]) -> int:
+    return len(cls.__struct_fields__) - len(cls.MAP_ONLY)
+
+
+def _array_twin(cls: type[KVCacheEvent]) -> type[msgspec.Struct]:
+    """The decoder of ``cls``'s array form: the same fields in order, minus the map-only tail."""
+    fields = msgspec.structs.fields(cls)
+    assert tuple(f.name for f in fields[_array_length(cls) :]) == cls.MAP_ONLY, cls
+    spec = [
+        (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        for f in fields[: _array_length(cls)]
+    ]
+    tag = cls.__struct_config__.tag
+    return msgspec.defstruct(cls.__name__, spec, array_like=True, tag=tag, gc=False)
+
+
+# event type -> (tag, number of fields the array form carries after the tag)
+_ARRAY_LAYOUT: dict[type, tuple[str, int]] = {
+    cls: (str(cls.__struct_config__.tag), _array_length(cls)) for cls in EVENT_TYPES
+}
+_ARRAY_TWINS = {cls: _array_twin(cls) for cls in EVENT_TYPES}
+_FROM_TWIN = {twin: cls for cls, twin in _ARRAY_TWINS.items()}
+_ArrayEvent = functools.reduce(operator.or_, _ARRAY_TWINS.values())
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrayEvent]  # type: ignore[valid-type]
+    data_parallel_rank: int | None = None
+
+
+def _from_twin(twin: msgspec.Struct) -> Event:
+    return _FROM_TWIN[type(twin)](*msgspec.structs.astuple(twin))  # type: ignore[no-any-return]
+
+
+def to_array(event: Event) -> tuple[Any, ...]:
+    """The array form of one event: its tag, then every shared field in order."""
+    tag, length = _ARRAY_LAYOUT[type(event)]
+    return (tag, *msgspec.structs.astuple(event)[:length])
+
+
+# -- encoding and decoding ------------------------------------------------------------------
+
+_U16_ITEM = np.dtype([("marker", "u1"), ("value", ">u2")])
+_U32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])
+
+
+def _array_header(count: int) -> bytes:
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 1 << 16:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+def _token_arrays_raw(arrays: list[np.ndarray]) -> dict[int, msgspec.Raw]:
+    """The msgpack arrays of a batch's NumPy token arrays, written by NumPy in one pass over
+    the whole batch: unsigned ints all of one width (uint16 when every id in the batch fits,
+    else uint32). Any msgpack decoder reads them as the same lists of ints; ids under 128
+    take 3 bytes instead of 1, which real vocabularies (mostly ids >= 128) hardly notice.
+    Keyed by ``id()`` of each array, for the encoder's hook."""
+    flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    narrow = len(flat) == 0 or int(flat.max()) < 1 << 16
+    items = np.empty(len(flat), _U16_ITEM if narrow else _U32_ITEM)
+    items["marker"] = 0xCD if narrow else 0xCE
+    items["value"] = flat
+    data = items.tobytes()
+    width = items.itemsize
+    raws: dict[int, msgspec.Raw] = {}
+    start = 0
+    for array in arrays:
+        end = start + len(array) * width
+        raws[id(array)] = msgspec.Raw(_array_header(len(array)) + data[start:end])
+        start = end
+    return raws
+
+
+def _is_token_array(obj: Any) -> bool:
+    return type(obj) is np.ndarray and obj.dtype.kind == "u" and obj.dtype.itemsize <= 4
 
 
 def pack_seq(seq: int) -> bytes:
@@ -54,106 +175,78 @@ def unpack_seq(frame: bytes) -> int:
 
 
 def event_to_wire(event: Event, wire_format: WireFormat) -> Any:
-    """The msgpack-ready form of one event: a tagged map (vLLM >= 0.24) or a tagged array."""
+    """The plain (msgpack-ready) form of one event, e.g. for the control protocol's snapshot."""
     if wire_format == "map":
-        if type(event) is BlockStored:
-            return {
-                "type": "BlockStored",
-                "block_hashes": event.block_hashes,
-                "parent_block_hash": event.parent_block_hash,
-                "token_ids": event.token_ids,
-                "block_size": event.block_size,
-                "lora_id": event.lora_id,
-                "medium": event.medium,
-                "lora_name": event.lora_name,
-            }
-        if type(event) is BlockRemoved:
-            return {
-                "type": "BlockRemoved",
-                "block_hashes": event.block_hashes,
-                "medium": event.medium,
-            }
-        return {"type": "AllBlocksCleared"}
-    # Array form: every field in order, the optional tail as nils.
-    if type(event) is BlockStored:
-        return [
-            "BlockStored",
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            event.lora_name,
-            None,  # extra_keys
-            None,  # group_idx
-            None,  # kv_cache_spec_kind
-            None,  # kv_cache_spec_sliding_window
-        ]
-    if type(event) is BlockRemoved:
-        return ["BlockRemoved", event.block_hashes, event.medium, None]
-    return ["AllBlocksCleared"]
+        return msgspec.to_builtins(event, builtin_types=(bytes,), enc_hook=_to_list)
+    return msgspec.to_builtins(to_array(event), builtin_types=(bytes,), enc_hook=_to_list)
+
+
+def _to_list(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot convert {type(obj).__name__}")
 
 
 def event_from_wire(obj: Any) -> Event:
-    """Decode one event in either wire form; raises ValueError on anything else."""
-    if isinstance(obj, dict):
-        tag = obj.get("type")
-        if tag == "BlockStored":
-            return BlockStored(
-                list(obj["block_hashes"]),
-                obj["parent_block_hash"],
-                list(obj["token_ids"]),
-                obj["block_size"],
-                obj.get("lora_id"),
-                obj.get("medium"),
-                obj.get("lora_name"),
-            )
-        if tag == "BlockRemoved":
-            return BlockRemoved(list(obj["block_hashes"]), obj.get("medium"))
-        if tag == "AllBlocksCleared":
-            return AllBlocksCleared()
-    elif isinstance(obj, (list, tuple)) and obj:
-        tag = obj[0]
-        if tag == "BlockStored":
-            hashes, parent, tokens, size, lora_id, medium, lora_name = (
-                list(obj[1:8]) + [None] * 7
-            )[:7]
-            return BlockStored(list(hashes), parent, list(tokens), size, lora_id, medium, lora_name)
-        if tag == "BlockRemoved":
-            return BlockRemoved(list(obj[1]), obj[2] if len(obj) > 2 else None)
-        if tag == "AllBlocksCleared":
-            return AllBlocksCleared()
+    """Decode one plain event in either wire form; raises ValueError on anything else."""
+    try:
+        if isinstance(obj, dict):
+            return msgspec.convert(obj, Event)  # type: ignore[arg-type]
+        if isinstance(obj, (list, tuple)):
+            return _from_twin(msgspec.convert(obj, _ArrayEvent))
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"not a KV-cache event ({exc}): {obj!r:.80}") from None
     raise ValueError(f"not a KV-cache event: {obj!r:.80}")
 
 
 class BatchEncoder:
-    """Encodes event batches for one rank; one packer reused for every batch."""
+    """Encodes event batches for one rank; one msgspec encoder reused for every batch.
+
+    Token ids may be given as the cache's NumPy uint32 arrays instead of lists: the batch's
+    arrays are encoded together by NumPy (no Python int per token) and handed to msgspec as
+    pre-encoded parts."""
 
     def __init__(self, wire_format: WireFormat, rank: int) -> None:
         self.wire_format = wire_format
         self.rank = rank
-        self._packer = msgpack.Packer(use_bin_type=True)
+        self._raws: dict[int, msgspec.Raw] = {}
+        self._encode = msgspec.msgpack.Encoder(enc_hook=self._hook).encode
+        self._array = wire_format == "array"
+
+    def _hook(self, obj: Any) -> Any:
+        raw = self._raws.get(id(obj))
+        if raw is not None:
+            return raw
+        return _to_list(obj)
 
     def encode(self, ts: float, events: list[Event]) -> bytes:
-        fmt = self.wire_format
-        return self._packer.pack([ts, [event_to_wire(e, fmt) for e in events], self.rank])
+        arrays = [
+            e.token_ids
+            for e in events
+            if type(e) is BlockStored and _is_token_array(e.token_ids)  # type: ignore[unreachable]
+        ]
+        if arrays:
+            self._raws = _token_arrays_raw(arrays)  # type: ignore[arg-type]
+        try:
+            if self._array:
+                return self._encode((ts, [to_array(e) for e in events], self.rank))
+            return self._encode((ts, events, self.rank))
+        finally:
+            if arrays:
+                self._raws = {}
 
 
-@dataclass(slots=True)
-class EventBatch:
-    ts: float
-    events: list[Event]
-    data_parallel_rank: int | None
+_MAP_DECODER = msgspec.msgpack.Decoder(EventBatch)
+_ARRAY_DECODER = msgspec.msgpack.Decoder(_ArrayBatch)
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """Decode a payload frame; raises ValueError when it is not a valid batch."""
+    """Decode a payload frame in either wire form; raises ValueError when it is not a batch."""
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:
-        raise ValueError(f"payload is not msgpack: {exc}") from None
-    if not isinstance(obj, (list, tuple)) or len(obj) < 2 or not isinstance(obj[1], list):
-        raise ValueError("payload is not [ts, events, rank]")
-    rank = obj[2] if len(obj) > 2 else None
-    return EventBatch(float(obj[0]), [event_from_wire(e) for e in obj[1]], rank)
+        return _MAP_DECODER.decode(payload)
+    except msgspec.DecodeError as map_error:
+        try:
+            batch = _ARRAY_DECODER.decode(payload)
+        except msgspec.DecodeError:
+            raise ValueError(f"payload is not a [ts, events, rank] batch: {map_error}") from None
+    return EventBatch(batch.ts, [_from_twin(e) for e in batch.events], batch.data_parallel_rank)

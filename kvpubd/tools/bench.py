@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import time
+import zipfile
 from typing import Annotated, Any
 
 import msgpack
@@ -784,17 +785,19 @@ def _publisher_batches(count: int, events_per_batch: int, seed: int = 0) -> list
                 blocks = int(rng.integers(1, 33))
                 events.append(
                     BlockStored(
-                        rng.integers(0, 2**63, size=blocks).tolist(),
-                        int(rng.integers(0, 2**63)),
-                        rng.integers(0, 150_000, size=16 * blocks).tolist(),
-                        16,
-                        None,
-                        "GPU",
-                        None,
+                        block_hashes=rng.integers(0, 2**63, size=blocks).tolist(),
+                        parent_block_hash=int(rng.integers(0, 2**63)),
+                        token_ids=rng.integers(0, 150_000, size=16 * blocks).tolist(),
+                        block_size=16,
+                        lora_id=None,
+                        medium="GPU",
+                        lora_name=None,
                     )
                 )
             else:
-                events.append(BlockRemoved(rng.integers(0, 2**63, size=4).tolist(), "GPU"))
+                events.append(
+                    BlockRemoved(block_hashes=rng.integers(0, 2**63, size=4).tolist(), medium="GPU")
+                )
         batches.append(events)
     return batches
 
@@ -868,20 +871,34 @@ def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[
 @bench_app.command("publisher")
 def bench_publisher(
     batches: Annotated[int, typer.Option(help="Pre-built batches per round.")] = 2000,
-    events_per_batch: Annotated[int, typer.Option(help="Events per batch.")] = 20,
+    events_per_batch: Annotated[int, typer.Option(help="Events per batch (floor mode).")] = 20,
     rounds: Annotated[int, typer.Option(help="Alternating rounds (median reported).")] = 7,
+    against_vllm: Annotated[
+        bool,
+        typer.Option(
+            "--against-vllm",
+            help="Beside vLLM's own ZmqEventPublisher on identical batches (8 BlockStored x 16 "
+            "blocks x 16 tokens), each stream decoded in another process by vLLM's KVEventBatch. "
+            "Needs vLLM's kv_events.py: $KVPUBD_VLLM_KV_EVENTS or "
+            "~/.cache/kvpubd/vllm/kv_events.py (see `kvpubd bench vllm-extract`).",
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
     """In-process publisher events/s on identical pre-built batches, beside the floor: a plain
-    loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB."""
+    loop that msgpack-encodes the same batches and sends them on a bare pyzmq PUB; or, with
+    --against-vllm, blocks/s beside vLLM's own publisher."""
     for option, value in (
         ("--batches", batches),
         ("--events-per-batch", events_per_batch),
         ("--rounds", rounds),
     ):
         check_positive(option, value, integer=True)
+    if against_vllm:
+        _bench_against_vllm(batches, rounds, as_json)
+        return
     with err.status(f"publishing {rounds} x {batches} batches, ours and the floor"):
         result = measure_publisher(batches, events_per_batch, rounds)
     if as_json:
@@ -896,6 +913,66 @@ def bench_publisher(
         f"{result['events_per_s']:,}", f"{result['floor_events_per_s']:,}", f"{result['ratio']:.0%}"
     )
     Console().print(table)
+
+
+def _bench_against_vllm(batches: int, rounds: int, as_json: bool) -> None:
+    from kvpubd.tools import vllm_peer
+
+    path = vllm_peer.kv_events_path()
+    if not path.is_file():
+        reason = (
+            f"vLLM's kv_events.py not found at {path}: set {vllm_peer.ENV_VAR} or run "
+            "`kvpubd bench vllm-extract WHEEL`; comparison skipped"
+        )
+        err.print(f"kvpubd: {reason}")
+        if as_json:
+            typer.echo(json.dumps({"skipped": reason}))
+        return
+    with err.status(f"{rounds} alternating rounds of {batches} batches, kvpubd and vLLM"):
+        result = vllm_peer.measure_against_vllm(batches, rounds, path)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    table = Table(
+        title=f"publisher vs vLLM's ZmqEventPublisher: {batches} batches of {result['batch']}, "
+        f"median of {rounds}",
+        caption="blocks/s from the first publish to the last decode (vLLM's KVEventBatch)",
+    )
+    for column in (
+        "kvpubd blocks/s",
+        "vLLM blocks/s",
+        "kvpubd / vLLM",
+        "paired rounds",
+        "kvpubd CPU us/block",
+        "vLLM CPU us/block",
+    ):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{result['kvpubd_blocks_per_s']:,}",
+        f"{result['vllm_blocks_per_s']:,}",
+        f"{result['ratio']:.2f}x",
+        f"{result['paired_ratio']:.2f}x",
+        f"{result['kvpubd_cpu_us_per_block']:.3f}",
+        f"{result['vllm_cpu_us_per_block']:.3f}",
+    )
+    Console().print(table)
+
+
+@bench_app.command("vllm-extract")
+def bench_vllm_extract(
+    wheel: Annotated[str, typer.Argument(help="A vLLM wheel (pip download vllm --no-deps).")],
+) -> None:
+    """Copy vllm/distributed/kv_events.py out of a vLLM wheel to where --against-vllm looks."""
+    from pathlib import Path
+
+    from kvpubd.tools import vllm_peer
+
+    try:
+        dest = vllm_peer.extract_from_wheel(Path(wheel), vllm_peer.kv_events_path())
+    except (OSError, KeyError, zipfile.BadZipFile) as exc:
+        err.print(f"kvpubd: cannot extract {vllm_peer.WHEEL_MEMBER} from {wheel}: {exc}")
+        raise typer.Exit(1) from None
+    typer.echo(str(dest))
 
 
 def make_prompts(count: int, seed: int = 0) -> list[bytes]:
@@ -952,58 +1029,92 @@ def _count_stored(endpoint: str, ready: Any, results: Any) -> None:
     ctx.term()
 
 
-def measure_throughput(requests: int, window: int, num_blocks: int) -> dict[str, Any]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_throughput(
+    requests: int, window: int, num_blocks: int, ranks: int = 1
+) -> dict[str, Any]:
     import multiprocessing
+
+    from kvpubd.protocol.config import rank_endpoint
 
     prompts = make_prompts(requests)
     overrides = {
-        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
+        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, "data_parallel_size": ranks},
         "events": {"buffer_steps": 1000},
         "service": {"log_level": "warning"},
     }
     spawn = multiprocessing.get_context("spawn")
-    with DaemonProcess(overrides, transport="tcp") as daemon:
-        control_side, sub_side = spawn.Pipe()
-        results_in, results_out = spawn.Pipe(duplex=False)
-        counter = spawn.Process(
-            target=_count_stored, args=(daemon.events_endpoint, sub_side, results_out)
-        )
-        counter.start()
+    # Ranks publish on consecutive tcp ports, which free_tcp_ports cannot reserve: several
+    # ranks use ipc.
+    transport = "tcp" if ranks == 1 else "ipc"
+    with DaemonProcess(overrides, transport=transport) as daemon:
+        assert daemon.proc is not None
+        pipes, results, counters = [], [], []
+        for rank in range(ranks):
+            control_side, sub_side = spawn.Pipe()
+            results_in, results_out = spawn.Pipe(duplex=False)
+            endpoint = rank_endpoint(daemon.events_endpoint, rank)
+            # daemon=True: a failed run never waits on a counter that waits for its stop seq.
+            counter = spawn.Process(
+                target=_count_stored, args=(endpoint, sub_side, results_out), daemon=True
+            )
+            counter.start()
+            pipes.append(control_side)
+            results.append(results_in)
+            counters.append(counter)
         probe = ResetProbe(daemon)
         try:
-            # Resets (no stores) until the counter's SUB has received one.
-            while not control_side.poll(0.1):
-                probe.client.reset(force=True)
-            control_side.recv()
+            # Resets (no stores) until every counter's SUB has received one.
+            for pipe in pipes:
+                while not pipe.poll(0.1):
+                    probe.client.reset(force=True)
+                pipe.recv()
+            cpu_start = _cpu_seconds(daemon.proc.pid)
             start = time.monotonic()
             in_flight = 0
             sent = 0
             while sent < len(prompts) or in_flight:
                 while sent < len(prompts) and in_flight < window:
-                    probe.send("store", request_id=sent, token_ids=prompts[sent])
+                    rank = sent % ranks
+                    probe.send("store", request_id=sent, token_ids=prompts[sent], rank=rank)
                     probe.send("release", request_id=sent)
                     sent += 1
                     in_flight += 2
                 probe.recv_reply()
                 in_flight -= 1
             sent_all = time.monotonic()
-            stats = probe.client.stats().ranks[0]
-            while stats.events_pending:
-                stats = probe.client.stats().ranks[0]
-            control_side.send(stats.seq)
-            counted = results_in.recv()
+            ranks_stats = probe.client.stats().ranks
+            while any(rank.events_pending for rank in ranks_stats):
+                ranks_stats = probe.client.stats().ranks
+            cpu = _cpu_seconds(daemon.proc.pid) - cpu_start
+            for pipe, rank_stats in zip(pipes, ranks_stats, strict=True):
+                pipe.send(rank_stats.seq)
+            counted = [result.recv() for result in results]
         finally:
             probe.close()
-            counter.join(10)
-    elapsed = counted["last"] - start
+            for counter in counters:
+                counter.join(10)
+                if counter.is_alive():
+                    counter.terminate()
+    blocks = sum(c["blocks"] for c in counted)
+    elapsed = max(c["last"] for c in counted) - start
     return {
-        "blocks_per_s": round(counted["blocks"] / elapsed),
-        "blocks": counted["blocks"],
-        "gaps": counted["gaps"],
+        "blocks_per_s": round(blocks / elapsed),
+        "blocks": blocks,
+        "gaps": sum(c["gaps"] for c in counted),
         "requests": requests,
+        "ranks": ranks,
+        "transport": transport,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
-        "dropped_stored_blocks": stats.dropped_stored_blocks,
+        "daemon_cpu_us_per_block": round(cpu / blocks * 1e6, 3) if blocks else None,
+        "dropped_stored_blocks": sum(rank.dropped_stored_blocks for rank in ranks_stats),
     }
 
 
@@ -1013,29 +1124,63 @@ def bench_throughput(
         2000
     ),
     window: Annotated[int, typer.Option(help="Requests in flight.")] = 32,
-    num_blocks: Annotated[int, typer.Option(help="Pool blocks (evictions when full).")] = 400_000,
+    num_blocks: Annotated[
+        int, typer.Option(help="Pool blocks per rank (evictions when full).")
+    ] = 400_000,
+    ranks: Annotated[int, typer.Option(help="Data-parallel ranks; requests go round-robin.")] = 1,
+    load_fraction: Annotated[
+        list[float] | None,
+        typer.Option(
+            help="Then reset p50/p99 while a paced client stores at this fraction of the "
+            "measured requests/s (repeatable, e.g. 0.5 and 0.9; one rank).",
+            min=0.01,
+            max=1.0,
+        ),
+    ] = None,
+    resets: Annotated[int, typer.Option(help="Resets timed per --load-fraction.")] = 50,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
     """store requests of realistic prompts (shared prefixes, 1-8k tokens) in -> BlockStored
-    blocks decoded by a subscriber in another process, blocks/s, with the gaps it saw."""
+    blocks decoded by a subscriber per rank in other processes: blocks/s, the daemon's CPU
+    us per published block, and the gaps the subscribers saw."""
     for option, value in (
         ("--requests", requests),
         ("--window", window),
         ("--num-blocks", num_blocks),
+        ("--ranks", ranks),
     ):
         check_positive(option, value, integer=True)
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
-        result = measure_throughput(requests, window, num_blocks)
+        result = measure_throughput(requests, window, num_blocks, ranks)
+    if load_fraction:
+        from kvpubd.tools.bench_paced import measure_resets_under_load
+
+        with err.status("resets under paced load"):
+            result["reset_under_load"] = [
+                measure_resets_under_load(result["requests_per_s"], f, resets, num_blocks)
+                for f in load_fraction
+            ]
     if as_json:
         typer.echo(json.dumps(result))
         return
-    table = Table(title=f"end-to-end: {requests} store requests, {window} in flight")
-    for column in ("blocks/s", "blocks", "gaps", "dropped", "requests/s", "seconds"):
+    table = Table(
+        title=f"end-to-end: {requests} store requests, {window} in flight, {ranks} rank(s)"
+    )
+    for column in (
+        "blocks/s",
+        "daemon CPU us/block",
+        "blocks",
+        "gaps",
+        "dropped",
+        "requests/s",
+        "seconds",
+    ):
         table.add_column(column, justify="right")
     table.add_row(
         f"{result['blocks_per_s']:,}",
+        f"{result['daemon_cpu_us_per_block']}",
         f"{result['blocks']:,}",
         str(result["gaps"]),
         str(result["dropped_stored_blocks"]),
@@ -1043,3 +1188,17 @@ def bench_throughput(
         f"{result['seconds']:.2f}",
     )
     Console().print(table)
+    if load_fraction:
+        loaded = Table(title="reset -> marker received while storing at a fraction of capacity")
+        for column in ("load", "stores/s (target)", "n", "p50 us", "p99 us", "max us"):
+            loaded.add_column(column, justify="right")
+        for row in result["reset_under_load"]:
+            loaded.add_row(
+                f"{row['load_fraction']:.0%}",
+                f"{row['stores_per_s']} ({row['target_stores_per_s']})",
+                str(row["n"]),
+                f"{row['p50_us']:.0f}",
+                f"{row['p99_us']:.0f}",
+                f"{row['max_us']:.0f}",
+            )
+        Console().print(loaded)

@@ -1,0 +1,112 @@
+"""Reset latency while the store pipeline runs at a fraction of its measured capacity
+(``kvpubd bench throughput --load-fraction F``)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvpubd.tools.launcher import DaemonProcess
+
+LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
+
+
+def _paced_load(control_endpoint: str, rate: float, seconds: float, stop: Any) -> None:
+    """Send store + release pairs at ``rate`` stores/s until ``seconds`` pass or ``stop``
+    says so; refusals (a forced reset drops open requests) are simply counted."""
+    from kvpubd.tools.bench import make_prompts
+
+    prompts = make_prompts(500, seed=7)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(control_endpoint)
+    start = time.monotonic()
+    sent = in_flight = refused = 0
+    while time.monotonic() - start < seconds and not stop.poll(0):
+        due = start + sent / rate
+        now = time.monotonic()
+        if now >= due and in_flight < LOAD_WINDOW:
+            prompt = prompts[sent % len(prompts)]
+            for op, fields in (("store", {"token_ids": prompt}), ("release", {})):
+                request = {"op": op, "id": sent, "request_id": f"load-{sent}", **fields}
+                sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
+            sent += 1
+            in_flight += 2
+        elif sock.poll(max(0, int((due - now) * 1000)) if in_flight < LOAD_WINDOW else 100):
+            reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+            refused += not reply.get("ok")
+            in_flight -= 1
+    stop.send({"stores": sent, "refused": refused, "seconds": time.monotonic() - start})
+    sock.close()
+    ctx.term()
+
+
+def _time_reset(probe: Any) -> tuple[int, int]:
+    """Like ResetProbe.time_reset, but skips the store batches in between by a byte search
+    instead of decoding each (under load the SUB carries megabytes of them)."""
+    start = time.perf_counter_ns()
+    probe.send("reset", force=True)
+    while True:
+        payload = probe.sub.recv_multipart()[2]
+        if b"AllBlocksCleared" in payload:
+            marker = time.perf_counter_ns() - start
+            break
+    probe.recv_reply()
+    return marker, time.perf_counter_ns() - start
+
+
+def measure_resets_under_load(
+    capacity_rps: float, fraction: float, resets: int, num_blocks: int
+) -> dict[str, Any]:
+    """reset -> marker received, ``resets`` times, while a paced client stores at
+    ``fraction`` x ``capacity_rps``."""
+    from kvpubd.tools.bench import TINY_BLOCKS, ResetProbe, summary
+
+    overrides = {
+        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
+        "events": {"buffer_steps": 1000},
+        "service": {"log_level": "warning"},
+    }
+    spawn = multiprocessing.get_context("spawn")
+    interval = 0.05
+    seconds = 2.0 + resets * (interval + 0.05)
+    with DaemonProcess(overrides, transport="tcp") as daemon:
+        probe = ResetProbe(daemon)
+        stop, child_stop = spawn.Pipe()
+        load = spawn.Process(
+            target=_paced_load,
+            args=(daemon.control_endpoint, fraction * capacity_rps, seconds, child_stop),
+            daemon=True,
+        )
+        try:
+            probe.wait_connected()
+            load.start()
+            time.sleep(1.0)  # the load reaches its pace (a bench, not a test: sleeping is fine)
+            markers, replies = [], []
+            for _ in range(resets):
+                probe.drain_sub(0)
+                time.sleep(interval)
+                marker, reply = _time_reset(probe)
+                markers.append(marker)
+                replies.append(reply)
+            stop.send("stop")
+            done = stop.recv() if stop.poll(30) else {}
+        finally:
+            load.join(10)
+            if load.is_alive():
+                load.terminate()
+            probe.close()
+    stores = done.get("stores", 0)
+    return {
+        "load_fraction": fraction,
+        "target_stores_per_s": round(fraction * capacity_rps),
+        "stores_per_s": round(stores / done["seconds"]) if done.get("seconds") else None,
+        "refused": done.get("refused"),
+        **summary(markers),
+        "reply": summary(replies),
+    }
