@@ -354,9 +354,8 @@ def _json_value(value: object) -> object:
 
 
 def event_json(event: Event) -> dict[str, object]:
-    """The event's fields, bytes as hex; works for dataclasses and msgspec structs alike."""
-    names = getattr(event, "__struct_fields__", None) or [f.name for f in dataclasses.fields(event)]
-    fields = {name: _json_value(getattr(event, name)) for name in names}
+    """The event's fields (its msgspec struct fields), bytes as hex."""
+    fields = {name: _json_value(getattr(event, name)) for name in event.__struct_fields__}
     return {"type": type(event).__name__, **fields}
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvpubd.client import Mirror
-from kvpubd.protocol.wire import decode_batch, event_from_wire
+from kvpubd.protocol.wire import decode_batch
 from tests.conftest import DaemonFactory
 from tests.streams import vllm_extra_keys
 from tests.test_wire import STORED, decode, published
@@ -50,7 +50,7 @@ def test_extra_keys_and_cache_salt_follow_vllm(
     with daemon.client() as client:
         for request, tokens, fields, cached, _, _ in CASES:
             reply = client.store(request, tokens, **fields)
-            assert reply["num_cached_tokens"] == cached * BS, request
+            assert reply.num_cached_tokens == cached * BS, request
     events = [e for payload in published(daemon) for e in decode(wire_format, payload).events]
     stores = [e for e in events if isinstance(e, STORED)]
     assert len(stores) == len(CASES)
@@ -86,7 +86,7 @@ def test_mirror_from_the_stream_equals_the_snapshot(
     for payload in published(daemon):
         stream.apply(decode_batch(payload).events)
     from_snapshot = Mirror()
-    from_snapshot.apply([event_from_wire(e) for e in snapshot["events"]])
+    from_snapshot.apply(snapshot.events)
     assert stream.blocks == from_snapshot.blocks
     kept = list(stream.blocks.values())
     assert any(b.lora_name == "" and b.lora_id == 0 for b in kept), "falsy LoRA was evicted"
