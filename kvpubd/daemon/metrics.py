@@ -34,7 +34,7 @@ from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Ev
 
 log = logging.getLogger(__name__)
 
-EVENT_TYPES = {
+EVENT_TYPES: dict[type, str] = {
     BlockStored: "BlockStored",
     BlockRemoved: "BlockRemoved",
     AllBlocksCleared: "AllBlocksCleared",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import msgspec
 import numpy as np
@@ -115,7 +115,7 @@ class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 def _from_twin(twin: msgspec.Struct) -> Event:
-    return _FROM_TWIN[type(twin)](*msgspec.structs.astuple(twin))  # type: ignore[no-any-return]
+    return cast(Event, _FROM_TWIN[type(twin)](*msgspec.structs.astuple(twin)))
 
 
 def to_array(event: Event) -> tuple[Any, ...]:

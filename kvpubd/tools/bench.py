@@ -239,7 +239,7 @@ def measure_resets(
 ) -> dict:
     results: dict[str, Any] = {}
     biggest = max([*sizes, 1024])
-    overrides = {
+    overrides: dict[str, dict[str, Any]] = {
         "cache": {**TINY_BLOCKS, "num_blocks": biggest + 1024, "device": device},
         "events": {"flush_on_reset": flush, "buffer_steps": 1000},
         "service": {"log_level": "warning"},
@@ -713,23 +713,23 @@ def measure_index(blocks: int, chain: int, rounds: int) -> dict[str, Any]:
         # Look up a few cached chains (what a store's prefix match does).
         picks = [chains[i] for i in rng.integers(0, len(chains), size=8)]
         lookups = [[index.digest[b] for b in c] for c in picks]
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         for digests in lookups:
             ops["match"] += len(index.match(digests))
-        seconds["match"] += time.perf_counter() - start
+        seconds["match"] += time.perf_counter() - t0
         # Make room for one new chain, then store it under a cached prefix.
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         freed = index.evict(chain)
-        seconds["evict"] += time.perf_counter() - start
+        seconds["evict"] += time.perf_counter() - t0
         ops["evict"] += len(freed)
         fresh = [
             sha256(b"n" + (next_digest + i).to_bytes(8, "little")).digest() for i in range(chain)
         ]
         next_digest += chain
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         index.insert_run(fresh, freed, ROOT, None)
         index.unpin(freed)
-        seconds["insert"] += time.perf_counter() - start
+        seconds["insert"] += time.perf_counter() - t0
         ops["insert"] += len(freed)
     total_ops = sum(ops.values())
     total_s = sum(seconds.values())
@@ -1044,7 +1044,7 @@ def measure_throughput(
     from kvpubd.protocol.config import rank_endpoint
 
     prompts = make_prompts(requests)
-    overrides = {
+    overrides: dict[str, dict[str, Any]] = {
         "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, "data_parallel_size": ranks},
         "events": {"buffer_steps": 1000},
         "service": {"log_level": "warning"},

@@ -67,7 +67,7 @@ def measure_resets_under_load(
     ``fraction`` x ``capacity_rps``."""
     from kvpubd.tools.bench import TINY_BLOCKS, ResetProbe, summary
 
-    overrides = {
+    overrides: dict[str, dict[str, Any]] = {
         "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
         "events": {"buffer_steps": 1000},
         "service": {"log_level": "warning"},

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpubd.protocol.wire import BlockHash
+
 ENV_VAR = "KVPUBD_VLLM_KV_EVENTS"
 DEFAULT_PATH = Path.home() / ".cache" / "kvpubd" / "vllm" / "kv_events.py"
 WHEEL_MEMBER = "vllm/distributed/kv_events.py"
@@ -129,7 +131,7 @@ def load_kv_events(path: Path | None = None) -> types.ModuleType:
 class BatchContent:
     """One batch's content, shared by both publishers: per event (hashes, parent, tokens)."""
 
-    events: list[tuple[list[int], int, np.ndarray]]
+    events: list[tuple[list[BlockHash], int, np.ndarray]]
 
 
 def make_content(batches: int, seed: int = 0) -> list[BatchContent]:
@@ -138,7 +140,7 @@ def make_content(batches: int, seed: int = 0) -> list[BatchContent]:
     for _ in range(batches):
         events = []
         for _ in range(EVENTS_PER_BATCH):
-            hashes = rng.integers(0, 2**63, size=BLOCKS_PER_EVENT).tolist()
+            hashes: list[BlockHash] = rng.integers(0, 2**63, size=BLOCKS_PER_EVENT).tolist()
             tokens = rng.integers(0, 150_000, size=BLOCKS_PER_EVENT * BLOCK_SIZE).astype("<u4")
             events.append((hashes, int(rng.integers(0, 2**63)), tokens))
         out.append(BatchContent(events))
