@@ -3,7 +3,9 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput|publisher|ranks
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput|publisher|paced|ranks
+# The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
+# .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
@@ -20,7 +22,11 @@ case "${1:-}" in
          $K bench reset --sizes 0,1000000 --resets 200 --device cuda:0 --json > "$OUT/reset-cuda.json" ;;
   under) $K bench reset --under "$2" --sizes 1000000 --resets "${3:-100}" --json > "$OUT/under-$2.json" ;;
   throughput) $K bench throughput --json > "$OUT/throughput.json" ;;
-  publisher) $K bench publisher --against-vllm --json > "$OUT/publisher.json" ;;
+  publisher) KVPUBD_VLLM_KV_EVENTS=${KVPUBD_VLLM_KV_EVENTS:-.devvllm/kv_events.py} \
+                 $K bench publisher --against-vllm --json > "$OUT/publisher.json" ;;
+  paced) $K bench throughput --load-fraction 0.5 --load-fraction 0.9 --resets 100 --json \
+             > "$OUT/paced.json" ;;
   ranks) for r in 1 2 4 8; do $K bench throughput --ranks "$r" --json > "$OUT/ranks-$r.json"; done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput|publisher|ranks" >&2; exit 2 ;;
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput|publisher|paced|ranks" >&2
+     exit 2 ;;
 esac
