@@ -21,7 +21,7 @@ import zmq
 
 from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
 from kvpubd.daemon.hooks import MetricsHooks
-from kvpubd.daemon.zmq_loop import readable, reader_fd
+from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, pin_io_thread, readable, reader_fd
 from kvpubd.protocol.auth import CurveServer
 from kvpubd.protocol.config import ControlConfig
 from kvpubd.protocol.control import ProtocolError, Request, error_reply, parse_request
@@ -67,6 +67,7 @@ class ControlServer:
         a dead daemon's)."""
         config = self._config
         sock = self._sock = self._context.socket(zmq.ROUTER)
+        pin_io_thread(sock, LIVE_AFFINITY, self._context)
         sock.setsockopt(zmq.LINGER, 0)
         if config.curve_secret_key:
             self._curve = CurveServer(

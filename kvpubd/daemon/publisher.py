@@ -22,7 +22,13 @@ from typing import Protocol
 import zmq
 
 from kvpubd.daemon.snapshot import Buffer, Snapshot
-from kvpubd.daemon.zmq_loop import readable, reader_fd
+from kvpubd.daemon.zmq_loop import (
+    LIVE_AFFINITY,
+    REPLAY_AFFINITY,
+    pin_io_thread,
+    readable,
+    reader_fd,
+)
 from kvpubd.protocol.wire import END_SEQ, MAX_SEQ, BatchEncoder, Event, WireFormat, pack_seq
 
 
@@ -113,6 +119,7 @@ class Publisher:
         self._replay_fd: int | None = None
 
         self.pub = context.socket(zmq.PUB)
+        pin_io_thread(self.pub, LIVE_AFFINITY, context)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
         self.pub.setsockopt(zmq.LINGER, linger_ms)
         self.pub.bind(endpoint)
@@ -122,6 +129,7 @@ class Publisher:
         self.replay_endpoint = ""
         if replay_endpoint:
             self.replay = context.socket(zmq.ROUTER)
+            pin_io_thread(self.replay, REPLAY_AFFINITY, context)
             # A full replay plus its end marker always fits.
             self.replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_MESSAGE_BYTES)

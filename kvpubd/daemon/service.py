@@ -34,6 +34,7 @@ from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.daemon.operations import Operations
 from kvpubd.daemon.pipeline import RankPipeline
 from kvpubd.daemon.reaper import Reaper
+from kvpubd.daemon.zmq_loop import new_context
 from kvpubd.protocol.auth import AuthError
 from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir
 
@@ -163,7 +164,7 @@ class Service:
         for line in self._start_lines:
             log.info("%s", line)
         resources.raise_fd_limit()
-        self._context = zmq.Context()
+        self._context = new_context()
         self.control = ControlServer(
             self._context, self.settings.control, self.operations.handle, self.metrics
         )
