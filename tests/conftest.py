@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import zmq
 
 from tests.daemon import Daemon
 
@@ -28,3 +30,12 @@ def start_daemon() -> Iterator[DaemonFactory]:
 @pytest.fixture
 def daemon(start_daemon: DaemonFactory) -> Daemon:
     return start_daemon()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Close every ZeroMQ context a test left open, its sockets with linger 0: a leaked socket
+    with an unsent message would otherwise block the interpreter's exit for ever (a context's
+    finaliser waits for its sockets' linger)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, zmq.Context) and not obj.closed:
+            obj.destroy(linger=0)
