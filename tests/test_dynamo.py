@@ -191,7 +191,6 @@ def test_reset_empties_the_index(indexer: Indexer, tcp_daemon: Any) -> None:
     assert indexer.blocks(0) == set()
 
 
-@pytest.mark.xfail(strict=False, reason="needs salt and LoRA names on the wire (extra_keys)")
 def test_salt_and_lora_stay_apart(indexer: Indexer, tcp_daemon: Any) -> None:
     """The same tokens plain (rank 0), salted (rank 1) and under a LoRA adapter (rank 2): each
     query matches only its own rank."""
