@@ -51,6 +51,14 @@ def _build(cls: Callable[..., T], data: object, op: str) -> T:
     return cls(**{f.name: data[f.name] for f in known if f.name in data})
 
 
+def _build_with_list(
+    cls: Callable[..., T], data: ReplyMap, key: str, item: Callable[..., object], op: str
+) -> T:
+    """``cls`` from the reply map, its ``key`` a list of ``item`` records."""
+    items = [_build(item, entry, op) for entry in _items(data, key, op)]
+    return _build(cls, {**data, key: items}, op)
+
+
 def _items(data: ReplyMap, key: str, op: str) -> list[object]:
     value = data.get(key)
     if not isinstance(value, list):
@@ -76,8 +84,7 @@ class PingReply:
 
     @classmethod
     def parse(cls, data: ReplyMap) -> PingReply:
-        endpoints = [_build(RankEndpoints, e, "ping") for e in _items(data, "endpoints", "ping")]
-        return _build(cls, {**data, "endpoints": endpoints}, "ping")
+        return _build_with_list(cls, data, "endpoints", RankEndpoints, "ping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +122,7 @@ class StatsReply:
 
     @classmethod
     def parse(cls, data: ReplyMap) -> StatsReply:
-        ranks = [_build(RankStats, r, "stats") for r in _items(data, "ranks", "stats")]
-        return _build(cls, {**data, "ranks": ranks}, "stats")
+        return _build_with_list(cls, data, "ranks", RankStats, "stats")
 
 
 @dataclass(frozen=True, slots=True)

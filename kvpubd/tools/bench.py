@@ -995,14 +995,10 @@ def make_prompts(count: int, seed: int = 0) -> list[bytes]:
 
 def _count_stored(endpoint: str, ready: Any, results: Any) -> None:
     """Subscriber process: decode every batch, count published blocks, check seqs."""
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    from kvpubd.tools.launcher import live_subscriber
+
     # Live once a batch arrives (the bench sends resets until then).
-    while not sub.poll(50):
-        pass
+    ctx, sub = live_subscriber(endpoint, poll_ms=50)
     ready.send("live")
     stop_seq: int | None = None
     blocks = gaps = 0

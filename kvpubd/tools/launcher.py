@@ -15,8 +15,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import zmq
+
 from kvpubd.client import ControlClient, ControlTimeout, Subscriber
 from kvpubd.protocol.endpoints import missing_ipc_socket
+
+
+def live_subscriber(endpoint: str, poll_ms: int = 20) -> tuple[zmq.Context, zmq.Socket]:
+    """A context and a SUB socket that keeps everything (RCVHWM 0) from ``endpoint``, returned
+    once the first message is waiting (the caller publishes until then)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    while not sub.poll(poll_ms):
+        pass
+    return ctx, sub
 
 
 def free_tcp_ports(count: int) -> list[int]:

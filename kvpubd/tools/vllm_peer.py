@@ -193,17 +193,12 @@ def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any) -> None:
     """Decode every batch with vLLM's ``KVEventBatch``; per round, count BlockStored blocks
     until the expected number arrived and answer (time of the last decode, blocks)."""
     import msgspec
-    import zmq
 
     kv = load_kv_events(Path(kv_path))
     decoder = msgspec.msgpack.Decoder(kv.KVEventBatch)
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.RCVHWM, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    while not sub.poll(20):
-        pass
+    from kvpubd.tools.launcher import live_subscriber
+
+    ctx, sub = live_subscriber(endpoint)
     pipe.send("live")
     stored = kv.BlockStored
     while True:
