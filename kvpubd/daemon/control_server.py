@@ -141,7 +141,9 @@ class ControlServer:
             request = parse_request(frames[2], self._config.max_message_bytes)
         except ProtocolError as exc:
             self._metrics.refused(exc.code)
+            log.debug("control: refused a request: %s: %s", exc.code, exc.message)
             return error_reply(exc.request_id, exc.code, exc.message)
+        log.debug("control: %s (id %r)", request.op, request.id)
         return self._handler(request)
 
     def _send(self, identity: bytes, reply: Any) -> None:
