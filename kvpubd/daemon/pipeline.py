@@ -155,6 +155,7 @@ class RankPipeline:
             job is not None
             and job.seq == self.publisher.last_seq
             and not self.sink.pending_count
+            and not job.result.cancelled()
             and job.result.exception() is None
         ):
             return job
