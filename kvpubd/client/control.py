@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import itertools
@@ -200,9 +201,18 @@ class ControlClient(_Client[zmq.Context[zmq.Socket[bytes]]]):
         """Send frames as they are, after the empty delimiter (protocol tests use it)."""
         # With no usable connection (nothing listening, or a refused CURVE handshake) a DEALER
         # holds the message back; don't wait longer than for a reply.
-        if not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
-            raise self._cannot_send()
-        self._sock.send_multipart([b"", *frames], zmq.NOBLOCK)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000), zmq.POLLOUT):
+                raise self._cannot_send()
+            try:
+                self._sock.send_multipart([b"", *frames], zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                # Writable a moment ago, then the connection went (a refused CURVE handshake
+                # drops it): wait for the next one until the deadline.
+                continue
 
     def _recv_raw(self, timeout: float | None = None) -> object:
         """The next reply as msgpack decodes it, whatever it answers (protocol tests)."""
@@ -245,7 +255,12 @@ class AsyncControlClient(_Client[zmq.asyncio.Context]):
         writable = self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT)  # type: ignore[call-arg]
         if not await writable:
             raise self._cannot_send()
-        await self._sock.send_multipart(frames)
+        try:
+            # Not beyond the deadline: the connection can go between poll and send.
+            left = max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(self._sock.send_multipart(frames), left)
+        except asyncio.TimeoutError:
+            raise self._cannot_send() from None
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not await self._sock.poll(int(left * 1000)):
