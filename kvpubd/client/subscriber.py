@@ -265,12 +265,13 @@ class _Base(Generic[ContextT, ControlT]):
             sock = self._dealers[rank] = self._open(zmq.DEALER, rank)
         return sock
 
-    def _replay_failed(self, rank: int) -> SubscriberTimeout:
-        # A fresh socket next time, so a late answer is never taken for the next one.
-        self._dealers.pop(rank).close()
-        return SubscriberTimeout(f"replay from {self._replay_endpoints[rank]} did not finish")
-
-    def _replayed(self, request: Replay, batches: list[tuple[int, bytes]]) -> list[Received]:
+    def _replayed(self, request: Replay, batches: list[tuple[int, bytes]] | None) -> list[Received]:
+        """Apply a finished replay; a replay that timed out (None) raises SubscriberTimeout."""
+        if batches is None:
+            # A fresh socket next time, so a late answer is never taken for the next one.
+            self._dealers.pop(request.rank).close()
+            endpoint = self._replay_endpoints[request.rank]
+            raise SubscriberTimeout(f"replay from {endpoint} did not finish")
         self._heard[request.rank] = time.monotonic()
         return self.tracker.on_replay(request.rank, request.start, batches)
 
@@ -382,8 +383,6 @@ class Subscriber(_Base[SyncContext, ControlClient]):
             batches = _read_replay(
                 self._dealer(request.rank), request.start, self.replay_timeout, self.topic
             )
-            if batches is None:
-                raise self._replay_failed(request.rank)
             return self._replayed(request, batches)
         if isinstance(request, Reconnect):
             return self._reconnect(request)
@@ -446,8 +445,6 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
     async def _perform(self, request: Request) -> list[Received]:
         if isinstance(request, Replay):
             batches = await self._read_replay(request.rank, request.start)
-            if batches is None:
-                raise self._replay_failed(request.rank)
             return self._replayed(request, batches)
         if isinstance(request, Reconnect):
             return self._reconnect(request)
