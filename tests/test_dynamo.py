@@ -127,8 +127,12 @@ def tcp_daemon() -> Iterator[Any]:
 
     def start(ranks: int = 1, **events: Any) -> Daemon:
         # medium GPU: the indexer's scores count the device tier (CPU lands in its host tier).
+        # Heartbeats on, as a router-facing daemon runs: the indexer's SUB connects after
+        # /register returns, so it can miss the batches published just then; the next
+        # heartbeat shows it the gap and it replays (without it, it waits forever).
+        settings = {"medium": "GPU", "heartbeat_ms": 500, **events}
         daemon = Daemon(
-            {"events": {"medium": "GPU", **events}, "cache": {"data_parallel_size": ranks}},
+            {"events": settings, "cache": {"data_parallel_size": ranks}},
             transport="tcp",
         )
         started.append(daemon)
@@ -213,7 +217,7 @@ def test_follows_a_restart(indexer: Indexer, tcp_daemon: Any, how: str) -> None:
     """Registered once: after kill -9 (or SIGTERM) and a new run on the same endpoints, the
     indexer drops the old run's blocks on its own (the new run's seqs jump forward; the
     heartbeat reveals the jump on an idle daemon) and follows the new run's stores."""
-    daemon = tcp_daemon(heartbeat_ms=500)
+    daemon = tcp_daemon()
     indexer.register(daemon)
     old = unique_prompt(3)
     with daemon.client() as client:
@@ -233,7 +237,7 @@ def test_follows_a_restart(indexer: Indexer, tcp_daemon: Any, how: str) -> None:
 def test_late_join_after_history_left_the_ring(indexer: Indexer, tcp_daemon: Any) -> None:
     """Registered after 10 x buffer_steps batches on a now idle daemon: the indexer holds the
     exact state within 5 s (its replay asks for history the ring no longer holds)."""
-    daemon = tcp_daemon(buffer_steps=4, heartbeat_ms=500)
+    daemon = tcp_daemon(buffer_steps=4)
     with daemon.client() as client:
         for _ in range(10 * 4):
             store_released(client, unique_prompt(1))
@@ -247,7 +251,7 @@ def test_late_join_after_history_left_the_ring(indexer: Indexer, tcp_daemon: Any
 def test_joins_an_idle_daemon(indexer: Indexer, tcp_daemon: Any) -> None:
     """Registered to a daemon that publishes nothing after its history: the heartbeat makes
     the indexer replay, and it holds the exact state."""
-    daemon = tcp_daemon(heartbeat_ms=500)
+    daemon = tcp_daemon()
     with daemon.client() as client:
         for _ in range(3):
             store_released(client, unique_prompt(2))

@@ -439,8 +439,8 @@ def measure_under(
 def _start_with_free_ports(
     overrides: dict[str, dict[str, Any]], free_tcp_ports: Any
 ) -> DaemonProcess:
-    """A tcp daemon with metrics on; ports are picked at random, so a clash (two ranks take
-    base and base + 1) gets a second try with fresh ones."""
+    """A tcp daemon with metrics on; the metrics port is picked at random, so a clash with
+    another process gets a second try with a fresh one."""
     for attempt in range(3):
         (metrics_port,) = free_tcp_ports(1)
         daemon = DaemonProcess({**overrides, "metrics": {"port": metrics_port}}, transport="tcp")
@@ -1046,8 +1046,8 @@ def measure_throughput(
         "service": {"log_level": "warning"},
     }
     spawn = multiprocessing.get_context("spawn")
-    # Ranks publish on consecutive tcp ports, which free_tcp_ports cannot reserve: several
-    # ranks use ipc.
+    # Several ranks use ipc: one transport for every rank count keeps the figures comparable
+    # with earlier runs.
     transport = "tcp" if ranks == 1 else "ipc"
     with DaemonProcess(overrides, transport=transport) as daemon:
         assert daemon.proc is not None

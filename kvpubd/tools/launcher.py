@@ -20,6 +20,9 @@ import zmq
 from kvpubd.client import ControlClient, ControlTimeout, Subscriber
 from kvpubd.protocol.endpoints import missing_ipc_socket
 
+PORT_CLASH_RETRIES = 3
+ADDRESS_IN_USE = "Address already in use"
+
 
 def live_subscriber(endpoint: str, poll_ms: int = 20) -> tuple[zmq.Context, zmq.Socket]:
     """A context and a SUB socket that keeps everything (RCVHWM 0) from ``endpoint``, returned
@@ -36,13 +39,44 @@ def live_subscriber(endpoint: str, poll_ms: int = 20) -> tuple[zmq.Context, zmq.
 
 def free_tcp_ports(count: int) -> list[int]:
     """Ports the OS reports free now (a later bind can still race; fine for local tools)."""
-    sockets = [socket.socket() for _ in range(count)]
+    return free_tcp_port_runs([1] * count)
+
+
+def free_tcp_port_runs(widths: list[int], attempts: int = 200) -> list[int]:
+    """One base port per width such that base .. base + width - 1 are all free now and no two
+    runs overlap (a daemon's ranks bind consecutive ports). Every port is held bound until all
+    runs are found, so the runs cannot collide with each other; a later bind can still race
+    with another process, which ``DaemonProcess.start`` answers with fresh ports."""
+    held: list[socket.socket] = []
+    bases: list[int] = []
+
+    def hold(port: int) -> bool:
+        sock = socket.socket()
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            return False
+        held.append(sock)
+        return True
+
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        for width in widths:
+            for _ in range(attempts):
+                first = socket.socket()
+                first.bind(("127.0.0.1", 0))
+                base = first.getsockname()[1]
+                held.append(first)
+                if base + width - 1 <= 65535 and all(
+                    hold(port) for port in range(base + 1, base + width)
+                ):
+                    bases.append(base)
+                    break
+            else:
+                raise OSError(f"no run of {width} free loopback ports after {attempts} tries")
+        return bases
     finally:
-        for sock in sockets:
+        for sock in held:
             sock.close()
 
 
@@ -77,26 +111,25 @@ class DaemonProcess:
         self.curve = curve
         # ipc paths are limited to ~107 bytes: keep the directory short.
         self.dir = Path(tempfile.mkdtemp(prefix="kvp", dir="/tmp"))
-        if transport == "tcp":
-            events, replay, control = free_tcp_ports(3)
-            self.events_endpoint = f"tcp://127.0.0.1:{events}"
-            self.replay_endpoint = f"tcp://127.0.0.1:{replay}"
-            self.control_endpoint = f"tcp://127.0.0.1:{control}"
-        else:
-            self.events_endpoint = f"ipc://{self.dir}/events"
-            self.replay_endpoint = f"ipc://{self.dir}/replay"
-            self.control_endpoint = f"ipc://{self.dir}/control"
+        self.transport = transport
         sections: dict[str, dict[str, Any]] = {
-            "events": {"endpoint": self.events_endpoint, "replay_endpoint": self.replay_endpoint},
-            "control": {"endpoint": self.control_endpoint},
+            "events": {},
+            "control": {},
             "cache": {},
             "service": {},
         }
         for section, values in (overrides or {}).items():
             sections.setdefault(section, {}).update(values)
+        # Endpoints the caller chose stay; the others are picked (and re-picked on a clash).
+        self._chosen = {
+            (section, key)
+            for section, values in sections.items()
+            for key in values
+            if key in ("endpoint", "replay_endpoint")
+        }
         self.settings = sections
         self.config_path = self.dir / "kvpubd.toml"
-        write_config(self.config_path, sections)
+        self._pick_endpoints()
         self.log_path = self.dir / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.epoch: int | None = None
@@ -106,11 +139,52 @@ class DaemonProcess:
     def ranks(self) -> int:
         return int(self.settings["cache"].get("data_parallel_size", 1))
 
+    def _pick_endpoints(self) -> None:
+        """Private endpoints (fresh free ports for tcp: one run of ``ranks`` ports each for
+        events and replay), written into the config file."""
+        if self.transport == "tcp":
+            events, replay, control = free_tcp_port_runs([self.ranks, self.ranks, 1])
+            self.events_endpoint = f"tcp://127.0.0.1:{events}"
+            self.replay_endpoint = f"tcp://127.0.0.1:{replay}"
+            self.control_endpoint = f"tcp://127.0.0.1:{control}"
+        else:
+            self.events_endpoint = f"ipc://{self.dir}/events"
+            self.replay_endpoint = f"ipc://{self.dir}/replay"
+            self.control_endpoint = f"ipc://{self.dir}/control"
+        picked = {
+            ("events", "endpoint"): self.events_endpoint,
+            ("events", "replay_endpoint"): self.replay_endpoint,
+            ("control", "endpoint"): self.control_endpoint,
+        }
+        for (section, key), endpoint in picked.items():
+            self.settings[section].setdefault(key, endpoint)
+            if (section, key) not in self._chosen:
+                self.settings[section][key] = endpoint
+        self.events_endpoint = self.settings["events"]["endpoint"]
+        self.replay_endpoint = self.settings["events"]["replay_endpoint"]
+        self.control_endpoint = self.settings["control"]["endpoint"]
+        write_config(self.config_path, self.settings)
+
     def start(
         self, timeout: float = 20.0, preexec_fn: Callable[[], None] | None = None
     ) -> DaemonProcess:
         """Start the child and wait until it answers ping; ``preexec_fn`` runs in the child
-        before it executes (e.g. to set resource limits)."""
+        before it executes (e.g. to set resource limits). On a first start over tcp, a port
+        that another process took since it was picked gets fresh ports and another try (a
+        restart keeps its ports: consumers are connected to them)."""
+        for attempt in range(PORT_CLASH_RETRIES + 1):
+            try:
+                return self._start_once(timeout, preexec_fn)
+            except RuntimeError as error:
+                clash = ADDRESS_IN_USE in str(error) and self.epoch is None
+                if not clash or self.transport != "tcp" or attempt == PORT_CLASH_RETRIES:
+                    raise
+                self._pick_endpoints()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float, preexec_fn: Callable[[], None] | None) -> DaemonProcess:
+        if self._log is not None:
+            self._log.close()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvpubd", "serve", "--config", str(self.config_path)],
