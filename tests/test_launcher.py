@@ -13,7 +13,9 @@ from tests.daemon import Daemon
 def test_port_runs_are_free_and_disjoint() -> None:
     widths = [4, 4, 1]
     bases = free_tcp_port_runs(widths)
-    ports = [base + offset for base, width in zip(bases, widths) for offset in range(width)]
+    ports = [
+        base + offset for base, width in zip(bases, widths, strict=True) for offset in range(width)
+    ]
     assert len(set(ports)) == len(ports)
     held = []
     try:
