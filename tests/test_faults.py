@@ -12,12 +12,15 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvpubd.client import ControlError
-from kvpubd.protocol.wire import BlockStored
+from kvpubd.client import ControlError, replay
+from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, decode_batch
 from tests.conftest import DaemonFactory
+from tests.daemon import wait_for
 from tests.mirrors import (
     FORMS,
     AnySubscriber,
@@ -171,6 +174,44 @@ def test_history_gone_is_rebuilt_by_the_replay_snapshot_batch(
     assert counters.gaps >= 1  # the stall did lose batches at the PUB
     assert counters.resyncs >= 1  # the mirror was replaced by the replay's snapshot batch
     assert (counters.lost, counters.restarts, counters.violations) == (0, 0, 0)
+
+
+def test_lost_history_replays_finish_under_steady_load(start_daemon: DaemonFactory) -> None:
+    """Replays of lost history while stores go on, with a ring of 2 batches: each snapshot
+    batch takes many ticks to put together, and the ring keeps what follows it meanwhile, so
+    every replay gets one snapshot batch, then every batch after it, then the end marker (with
+    a ring that moved on it could never catch up, and a stale snapshot batch would leave a
+    gap). The daemon logs no error."""
+    daemon = start_daemon(
+        events={"buffer_steps": 2, "tick_interval_ms": 1}, cache={"num_blocks": 16384}
+    )
+    with daemon.client(timeout=20) as client:
+        for _ in range(12):
+            store_released(client, unique_prompt(1000))
+    endpoint = rank_endpoint(daemon.replay_endpoint, 0)
+    loader = Loader(daemon.control_endpoint, ranks=[0], blocks=1)
+    loader.start()
+    try:
+        wait_for(lambda: len(loader.acked) > 10, what="load")
+        answers = [replay(endpoint, 0, timeout=30) for _ in range(5)]
+        answers += concurrent_batches(endpoint, 10)
+        assert len(loader.acked) > 20  # the load went on all along
+    finally:
+        loader.stop()
+    for batches in answers:
+        seqs = [seq for seq, _ in batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        events = [decode_batch(payload).events for _, payload in batches]
+        assert events[0][0] == AllBlocksCleared() and len(events[0]) > 12_000
+        assert all(AllBlocksCleared() not in later for later in events[1:])
+    assert daemon.alive()
+    assert "Traceback" not in daemon.log()
+
+
+def concurrent_batches(endpoint: str, clients: int) -> list[list[tuple[int, bytes]]]:
+    """``clients`` replays from seq 0 at once, each in its own thread."""
+    with ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(lambda _: replay(endpoint, 0, timeout=30), range(clients)))
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -45,6 +45,9 @@ REPLAY_MAX_MESSAGE_BYTES = 256  # a replay request is 8 bytes; anything far larg
 REPLAY_CHUNK = 64  # batches one replay sends before the next replay gets a turn
 REPLAY_ACCEPT = 32  # replay requests read per loop turn: a flood waits in ZeroMQ, not here
 REPLAY_SLICE_S = 0.0005  # replay work per loop turn
+# Batches the ring may keep beyond buffer_steps for the replays in progress (buffer_steps if
+# larger): what goes out while a snapshot batch of lost history is put together.
+REPLAY_EXTRA_BATCHES = 4096
 ZERO_COPY_BYTES = 65536  # pyzmq's own threshold: below it a copy is cheaper than tracking
 
 
@@ -63,12 +66,20 @@ def seq_origin(mode: str) -> int:
 SnapshotBatch = tuple[int, Buffer]  # (seq, payload) of a replay batch holding the whole state
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one replay is one request: compared by identity
 class _Replay:
     identity: bytes
     next_seq: int
     # Set while the replay waits for a snapshot batch (its history is no longer retained).
     snapshot: asyncio.Future[SnapshotBatch] | None = None
+    # The seq of the first batch published after it began to wait: the snapshot it waits for
+    # is of that moment or later, so the ring keeps what follows from here on.
+    parked_at: int = 0
+
+    @property
+    def needs_from(self) -> int:
+        """The oldest seq this replay may still send from the ring."""
+        return self.parked_at if self.snapshot is not None else self.next_seq
 
 
 class Publisher:
@@ -100,8 +111,11 @@ class Publisher:
         self._next_seq = first_seq
         self.heartbeat_s = heartbeat_ms / 1000
         self._last_sent = time.monotonic()
-        # (seq frame, payload) of the last buffer_steps batches, oldest first.
-        self._ring: deque[tuple[bytes, bytes]] = deque(maxlen=buffer_steps)
+        # (seq frame, payload) of the last buffer_steps batches, oldest first; up to
+        # max_retained while a replay still needs the older ones (see _trim).
+        self._ring: deque[tuple[bytes, bytes]] = deque()
+        self.buffer_steps = buffer_steps
+        self.max_retained = buffer_steps + max(buffer_steps, REPLAY_EXTRA_BATCHES)
         self.batches = 0
         self.events = 0
         self.replay_requests = 0
@@ -130,8 +144,8 @@ class Publisher:
         if replay_endpoint:
             self.replay = context.socket(zmq.ROUTER)
             pin_io_thread(self.replay, REPLAY_AFFINITY, context)
-            # A full replay plus its end marker always fits.
-            self.replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            # A full replay (the whole ring, a snapshot batch and the end marker) always fits.
+            self.replay.setsockopt(zmq.SNDHWM, 2 * (self.max_retained + 2))
             self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_MESSAGE_BYTES)
             # Errors instead of silent drops: a gone or stalled peer ends its replay early.
             self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -153,12 +167,31 @@ class Publisher:
         payload = self._encoder.encode(time.time() if ts is None else ts, events)
         seq_frame = pack_seq(seq)
         self._ring.append((seq_frame, payload))
+        if len(self._ring) > self.buffer_steps:
+            if self._replays or self._waiting:
+                self._trim()
+            else:
+                self._ring.popleft()
         # PUB never blocks: at the HWM ZeroMQ drops for that subscriber, and replay repairs it.
         self.pub.send_multipart((self.topic, seq_frame, payload))
         self._last_sent = time.monotonic()
         self.batches += 1
         self.events += len(events)
         return seq
+
+    def _trim(self) -> None:
+        """Drop batches beyond buffer_steps that no replay in progress still needs: a replay
+        of lost history waits for its snapshot batch and then sends what followed it, so under
+        load the ring must not move past that while the batch is put together (it would never
+        catch up). At most max_retained batches: past that a replay that fell behind starts
+        over from a newer snapshot batch."""
+        ring = self._ring
+        first = self._next_seq - len(ring)
+        needed = min(r.needs_from for r in (*self._replays, *self._waiting))
+        keep = self._next_seq - max(needed, first)
+        target = max(self.buffer_steps, min(keep, self.max_retained))
+        while len(ring) > target:
+            ring.popleft()
 
     def heartbeat(self) -> int | None:
         """Publish an empty batch ``[ts, [], rank]`` if nothing went out for the heartbeat
@@ -238,6 +271,7 @@ class Publisher:
         if replay.next_seq >= first or first == self.first_seq or self.lost_history is None:
             return False
         replay.snapshot = self._snapshot_batch(self.lost_history().result)
+        replay.parked_at = self._next_seq
         self._waiting.append(replay)
         replay.snapshot.add_done_callback(lambda _: self._snapshot_ready(replay))
         return True
@@ -263,21 +297,30 @@ class Publisher:
 
     def _stream(self, sock: zmq.Socket, replay: _Replay, limit: int) -> bool:
         """Send up to ``limit`` batches of ``replay`` (its snapshot batch first, if it waited
-        for one); the end marker once it is past the last. Returns True when it is finished."""
+        for one); the end marker once it is past the last. Returns True when it leaves the
+        queue: finished, or parked until a newer snapshot batch is ready."""
         head = (replay.identity, b"") if self.legacy_replay else (replay.identity, b"", self.topic)
         try:
+            snapshot: SnapshotBatch | None = None
             if replay.snapshot is not None:
                 batch, replay.snapshot = replay.snapshot, None
                 if batch.cancelled() or batch.exception() is not None:
                     return True  # no end marker: the client asks again
-                seq, snapshot_payload = batch.result()
+                snapshot = batch.result()
+                replay.next_seq = snapshot[0] + 1
+            if self._wait_for_snapshot(replay):
+                # The ring no longer holds what comes next (a snapshot older than the moment
+                # the replay parked, or a stream that fell behind the ring's limit): nothing
+                # is sent that would leave a gap; the replay waits for a newer snapshot batch,
+                # which _snapshot_ready queues (so it leaves the queue here).
+                log.debug("rank %d: a replay fell behind the ring", self.rank)
+                return True
+            if snapshot is not None:
                 # Without a copy: every replay shares the one payload.
+                seq, snapshot_payload = snapshot
                 sock.send_multipart(
                     (*head, pack_seq(seq), snapshot_payload), zmq.NOBLOCK, copy=False
                 )
-                replay.next_seq = seq + 1
-                if self._wait_for_snapshot(replay):  # the ring moved past it meanwhile
-                    return False
             ring = self._ring
             first = self._next_seq - len(ring)
             # Clamped: a start far past the last seq (up to 2^64 - 1) sends nothing.
