@@ -3,6 +3,7 @@ shared memory (a pool larger than /dev/shm). Real daemons, real limits."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import shutil
@@ -69,9 +70,11 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
         daemon.start(preexec_fn=low_fd_limit)
         sub.connect(f"tcp://127.0.0.1:{events}")
         with daemon.client() as client:
+            attempts = itertools.count(1)
 
             def live() -> bool:
-                client.store("probe", prompt(1, 1))
+                # A new prompt each time: a cached one publishes nothing.
+                client.store("probe", prompt(next(attempts), 1))
                 client.release("probe")
                 return bool(sub.poll(100))
 

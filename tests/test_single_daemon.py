@@ -5,6 +5,7 @@ failed start leaves no directory behind and does not log `stopped`."""
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import signal
 import subprocess
@@ -40,9 +41,12 @@ def published_after(daemon: Daemon, client: ControlClient) -> bool:
     sub.subscribe(b"")
     sub.connect(f"{daemon.events_endpoint}_dp0")
     try:
+        attempts = itertools.count()
 
         def stored() -> bool:
-            client.store("probe", prompt(7, 1))
+            # A new prompt each time: a stored one would be a cache hit and publish nothing,
+            # so a first batch missed by the joining SUB would never be followed by another.
+            client.store("probe", prompt(7 + next(attempts), 1))
             client.release("probe")
             if not sub.poll(200):
                 return False
