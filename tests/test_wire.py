@@ -19,9 +19,13 @@ from typing import Any
 
 import msgpack
 import msgspec
+import numpy as np
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
+from kvpubd.protocol.wire import BatchEncoder, BlockStored, decode_batch
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 
@@ -527,3 +531,44 @@ def test_strict_vllm_decoders_accept_a_heartbeat(
     assert batch.events == [] and batch.data_parallel_rank == 0
     replayed = {m[1]: m[2] for m in replay_raw(f"{daemon.replay_endpoint}_dp0", 0)}
     assert replayed[seq_frame] == payload
+
+
+@given(
+    batches=st.lists(
+        st.lists(
+            st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=40).map(
+                lambda ids: np.asarray(ids, dtype=np.uint32)
+            ),
+            min_size=1,
+            max_size=5,
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    narrow=st.booleans(),
+)
+def test_one_encoder_writes_every_batch_of_token_arrays_exactly(
+    batches: list[list[np.ndarray]], narrow: bool
+) -> None:
+    """One encoder, batch after batch (its buffers are reused: wider, narrower, larger,
+    smaller): every decoder reads back exactly the token ids of each event."""
+    encoder = BatchEncoder("map", 0)
+    for arrays in batches:
+        if narrow:
+            arrays = [(a % 65536).astype(np.uint16) for a in arrays]
+        events = [
+            BlockStored(
+                block_hashes=[i],
+                parent_block_hash=None,
+                token_ids=a,  # type: ignore[arg-type]
+                block_size=1,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+            for i, a in enumerate(arrays)
+        ]
+        payload = encoder.encode(1.0, events)
+        decoded = decode_batch(payload).events
+        assert [e.token_ids for e in decoded] == [a.tolist() for a in arrays]  # type: ignore[union-attr]
+        assert [e["token_ids"] for e in msgpack.unpackb(payload)[1]] == [a.tolist() for a in arrays]

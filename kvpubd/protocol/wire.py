@@ -130,6 +130,7 @@ _U16_ITEM = np.dtype([("marker", "u1"), ("value", ">u2")])
 _U32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])
 
 
+@functools.lru_cache(maxsize=1024)
 def _array_header(count: int) -> bytes:
     if count < 16:
         return bytes((0x90 | count,))
@@ -138,30 +139,39 @@ def _array_header(count: int) -> bytes:
     return b"\xdd" + count.to_bytes(4, "big")
 
 
-def _token_arrays_raw(arrays: list[np.ndarray]) -> dict[int, msgspec.Raw]:
-    """The msgpack arrays of a batch's NumPy token arrays, written by NumPy in one pass over
-    the whole batch: unsigned ints all of one width (uint16 when every id in the batch fits,
-    else uint32). Any msgpack decoder reads them as the same lists of ints; ids under 128
-    take 3 bytes instead of 1, which real vocabularies (mostly ids >= 128) hardly notice.
-    Keyed by ``id()`` of each array, for the encoder's hook."""
-    flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-    narrow = len(flat) == 0 or int(flat.max()) < 1 << 16
-    items = np.empty(len(flat), _U16_ITEM if narrow else _U32_ITEM)
-    items["marker"] = 0xCD if narrow else 0xCE
-    items["value"] = flat
-    data = items.tobytes()
-    width = items.itemsize
-    raws: dict[int, msgspec.Raw] = {}
-    start = 0
-    for array in arrays:
-        end = start + len(array) * width
-        raws[id(array)] = msgspec.Raw(_array_header(len(array)) + data[start:end])
-        start = end
-    return raws
+class _TokenArrays:
+    """Writes a batch's NumPy token arrays as msgpack arrays in one NumPy pass over the whole
+    batch: unsigned ints all of one width (uint16 when every id in the batch fits, else
+    uint32). Any msgpack decoder reads them as the same lists of ints; ids under 128 take 3
+    bytes instead of 1, which real vocabularies (mostly ids >= 128) hardly notice. The item
+    buffers keep their marker bytes between batches: only the values are written."""
 
+    def __init__(self) -> None:
+        self._items = {_U16_ITEM: np.empty(0, _U16_ITEM), _U32_ITEM: np.empty(0, _U32_ITEM)}
 
-def _is_token_array(obj: Any) -> bool:
-    return type(obj) is np.ndarray and obj.dtype.kind == "u" and obj.dtype.itemsize <= 4
+    def _buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        items = self._items[dtype]
+        if len(items) < count:
+            items = np.empty(max(count, 2 * len(items)), dtype)
+            items["marker"] = 0xCD if dtype is _U16_ITEM else 0xCE
+            self._items[dtype] = items
+        return items[:count]
+
+    def raws(self, arrays: list[np.ndarray]) -> dict[int, msgspec.Raw]:
+        """Each array's msgpack form, keyed by ``id()`` of the array (for the encoder's hook)."""
+        flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+        narrow = len(flat) == 0 or int(flat.max()) < 1 << 16
+        items = self._buffer(_U16_ITEM if narrow else _U32_ITEM, len(flat))
+        items["value"] = flat
+        data = items.tobytes()
+        width = items.itemsize
+        raws: dict[int, msgspec.Raw] = {}
+        start = 0
+        for array in arrays:
+            end = start + len(array) * width
+            raws[id(array)] = msgspec.Raw(_array_header(len(array)) + data[start:end])
+            start = end
+        return raws
 
 
 def pack_seq(seq: int) -> bytes:
@@ -210,6 +220,7 @@ class BatchEncoder:
         self.wire_format = wire_format
         self.rank = rank
         self._raws: dict[int, msgspec.Raw] = {}
+        self._tokens = _TokenArrays()
         self._encode = msgspec.msgpack.Encoder(enc_hook=self._hook).encode
         self._array = wire_format == "array"
 
@@ -221,12 +232,15 @@ class BatchEncoder:
 
     def encode(self, ts: float, events: list[Event]) -> bytes:
         arrays = [
-            e.token_ids
+            tokens
             for e in events
-            if type(e) is BlockStored and _is_token_array(e.token_ids)  # type: ignore[unreachable]
+            if type(e) is BlockStored
+            and type(tokens := e.token_ids) is np.ndarray  # type: ignore[comparison-overlap]
+            and tokens.dtype.kind == "u"
+            and tokens.itemsize <= 4
         ]
         if arrays:
-            self._raws = _token_arrays_raw(arrays)  # type: ignore[arg-type]
+            self._raws = self._tokens.raws(arrays)  # type: ignore[arg-type]
         try:
             if self._array:
                 return self._encode((ts, [to_array(e) for e in events], self.rank))
