@@ -184,53 +184,22 @@ def serve(
 
     import zmq
 
-    from kvpubd.daemon import logs
-    from kvpubd.daemon.pool import PoolDoesNotFit, check_device
+    from kvpubd.daemon import logs, serve_config
     from kvpubd.daemon.service import StartupError, TaskFailed, run
-    from kvpubd.protocol.auth import check_curve_settings
-    from kvpubd.protocol.config import (
-        ConfigError,
-        Settings,
-        env_overrides,
-        load_settings,
-        log_level_option,
-        unknown_env,
-    )
-    from kvpubd.protocol.vllm_config import load_kv_events_config
+    from kvpubd.protocol.config import ConfigError
 
     try:
-        level = log_level_option(log_level) if log_level is not None else None
-        vllm = load_kv_events_config(kv_events_config) if kv_events_config else None
-        settings = load_settings(config, {"events": vllm.events} if vllm else None)
-        check_device(settings.cache.device)
-        check_curve_settings(settings.control)
+        resolved = serve_config.resolve(
+            config, log_level=log_level, kv_events_config=kv_events_config
+        )
     except ConfigError as exc:
         raise fail(f"config error: {exc}", USAGE) from None
-    except ValueError as exc:
-        raise fail(f"config error: cache.device: {exc}", USAGE) from None
-    logs.configure(level or settings.service.log_level)
-
-    def reload_settings() -> Settings:
-        """SIGHUP: the config as it is now; --log-level stays in force over the file's."""
-        fresh = load_settings(config, {"events": vllm.events} if vllm else None)
-        if level is None:
-            return fresh
-        service = fresh.service.model_copy(update={"log_level": level})
-        return fresh.model_copy(update={"service": service})
-
-    # Logged once the daemon holds its endpoint: a refused second daemon says one line.
-    overrides = env_overrides(os.environ)
-    start_lines = [
-        f"kvpubd {__version__}: config {config if config else '(defaults)'}"
-        + (f", overridden by {', '.join(overrides)}" if overrides else "")
-    ]
-    if vllm is not None:
-        start_lines.append(vllm.describe())
-    for message in unknown_env(os.environ):
+    logs.configure(resolved.settings.service.log_level)
+    for message in resolved.warnings():
         logging.getLogger("kvpubd").warning("%s", message)
     try:
-        run(settings, reload_settings, start_lines)
-    except PoolDoesNotFit as exc:
+        run(resolved.settings, resolved.load, resolved.start_lines())
+    except ConfigError as exc:  # what only starting can tell, e.g. the pool and /dev/shm
         raise fail(f"cannot start: {exc}", USAGE) from None
     except (OSError, zmq.ZMQError, StartupError) as exc:  # e.g. an endpoint already in use
         raise fail(f"cannot start: {exc}") from None

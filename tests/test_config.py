@@ -354,3 +354,53 @@ def test_shipped_config_documents_every_field() -> None:
 def test_rank_endpoint(base: str, rank: int, expected: str) -> None:
     """tcp endpoints use base_port + rank; ipc and inproc endpoints get the suffix _dp<rank>."""
     assert rank_endpoint(base, rank) == expected
+
+
+def test_serve_config_resolves_every_source_into_one_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file, vLLM's JSON, KVPUBD_* and --log-level end in one Settings; a reload keeps
+    --log-level over the file's."""
+    from kvpubd.daemon.serve_config import resolve
+
+    path = tmp_path / "kvpubd.toml"
+    write_config(path, {"service": {"log_level": "warning"}, "events": {"topic": "file"}})
+    monkeypatch.setenv("KVPUBD_EVENTS__BUFFER_STEPS", "7")
+    monkeypatch.setenv("KVPUBD_EVENTS_TOPIC", "typo")
+    resolved = resolve(path, log_level="DEBUG", kv_events_config='{"topic": "vllm"}')
+    settings = resolved.settings
+    assert (settings.service.log_level, settings.events.topic) == ("debug", "vllm")
+    assert settings.events.buffer_steps == 7
+    assert resolved.load() == settings
+    assert "overridden by KVPUBD_EVENTS__BUFFER_STEPS" in resolved.start_lines()[0]
+    assert "kv-events-config: mapped events.topic = 'vllm'" in resolved.start_lines()[1]
+    assert [w.split()[3] for w in resolved.warnings()] == ["KVPUBD_EVENTS_TOPIC"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"log_level": "loud"}, "--log-level"),
+        ({"kv_events_config": "{topic"}, "kv-events-config"),
+        ({"device": "cuda:99"}, "cache.device: 'cuda:99'"),
+        ({"curve": True}, "control.curve_secret_key"),
+    ],
+)
+def test_serve_config_problems_are_one_config_error(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    from kvpubd.daemon.serve_config import resolve
+
+    path = tmp_path / "kvpubd.toml"
+    sections: dict[str, dict[str, Any]] = {}
+    if "device" in kwargs:
+        sections["cache"] = {"device": kwargs.pop("device")}
+    if kwargs.pop("curve", False):
+        sections["control"] = {
+            "curve_secret_key": str(tmp_path / "missing.key"),
+            "curve_authorized_keys": str(tmp_path),
+        }
+    write_config(path, sections)
+    with pytest.raises(ConfigError) as raised:
+        resolve(path, **kwargs)
+    assert message in str(raised.value)

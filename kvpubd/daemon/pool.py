@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvpubd.daemon import kernels
+from kvpubd.protocol.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ class PoolExhausted(Exception):
     pass
 
 
-class PoolDoesNotFit(RuntimeError):
-    """The pool is larger than the shared memory left: one line naming both sizes."""
+class PoolDoesNotFit(ConfigError):
+    """The configured pool is larger than the shared memory left: one line naming both."""
 
 
 class BlockPool:
