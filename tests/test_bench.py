@@ -35,6 +35,27 @@ def test_bench_reset_reports_every_size_the_baseline_and_the_floor() -> None:
     assert result["floor"]["n"] == 3
 
 
+def test_bench_reset_warns_of_a_small_sample_only_when_it_is_one() -> None:
+    from kvpubd.tools.bench import MIN_RESETS
+
+    def stderr_of(resets: int) -> str:
+        result = subprocess.run(
+            [
+                *(sys.executable, "-m", "kvpubd", "bench", "reset", "--sizes", "0"),
+                *("--resets", str(resets), "--idle-ms", "0", "--json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert result.returncode == 0, result.stderr
+        json.loads(result.stdout)  # the measurement is still made and printed
+        return result.stderr
+
+    assert f"{MIN_RESETS - 1} resets per size is too small a sample" in stderr_of(MIN_RESETS - 1)
+    assert "too small a sample" not in stderr_of(MIN_RESETS)
+
+
 def test_bench_throughput_counts_blocks_without_gaps() -> None:
     result = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096")
     assert result["gaps"] == 0 and result["dropped_stored_blocks"] == 0

@@ -235,6 +235,27 @@ def test_ctrl_c_exits_130(daemon: Daemon) -> None:
     assert "Traceback" not in sub_err + load_err
 
 
+def test_ctrl_c_while_the_command_line_is_imported_exits_130() -> None:
+    """Ctrl-C arriving while ``kvpubd`` still imports its command line (typer, pydantic: the
+    slow part of a start) ends it with 130 and one line, no traceback. The interrupt is raised
+    where Python's SIGINT handler would raise it: inside that import."""
+    program = (
+        "import sys\n"
+        "class CtrlC:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'typer':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, CtrlC())\n"
+        "from kvpubd.__main__ import main\n"
+        "main()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, "ping"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.strip().splitlines() == ["kvpubd: interrupted"]
+
+
 def test_subscribe_into_a_closed_pipe_exits_0(daemon: Daemon) -> None:
     """`kvpubd subscribe | head -1`: when the reader goes, subscribe ends quietly with 0."""
     read_end, write_end = os.pipe()
