@@ -4,6 +4,7 @@ then lands on the emptied cache), and the stream stays exact."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
 
 BLOCK_SIZE = 16
 LARGE = 4 * SYNC_BLOCKS  # full blocks of a store that takes several loop turns
+HUGE = 4 * LARGE
 
 
 def prompt(blocks: int, seed: int) -> bytes:
@@ -28,7 +30,7 @@ def prompt(blocks: int, seed: int) -> bytes:
 
 @pytest.fixture
 def large_daemon(start_daemon: DaemonFactory) -> Daemon:
-    return start_daemon(cache={"num_blocks": 4 * LARGE})
+    return start_daemon(cache={"num_blocks": 8 * LARGE})
 
 
 @pytest.fixture
@@ -42,10 +44,22 @@ def dealer(large_daemon: Daemon) -> Iterator[zmq.Socket]:
     context.term()
 
 
-def send_all(sock: zmq.Socket, *requests: dict[str, Any]) -> list[dict[str, Any]]:
-    """Send the requests back to back on one DEALER; the replies in the order they came."""
-    for request in requests:
-        sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
+def send_all(
+    sock: zmq.Socket, *requests: dict[str, Any], daemon: Daemon | None = None
+) -> list[dict[str, Any]]:
+    """Send the requests back to back on one DEALER; the replies in the order they came. With
+    ``daemon``, it is stopped (SIGSTOP) while they are sent, so that they reach it together
+    however slow this process is: the later ones arrive while the first is under way."""
+    if daemon is not None:
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        for request in requests:
+            sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
+    finally:
+        if daemon is not None:
+            assert daemon.proc is not None
+            daemon.proc.send_signal(signal.SIGCONT)
     replies = []
     while len(replies) < len(requests):
         assert sock.poll(30_000), f"replies so far: {replies}"
@@ -64,6 +78,7 @@ def test_stores_keep_arrival_order_behind_a_large_one(
         dealer,
         {"op": "store", "id": "big", "request_id": "big", "token_ids": big},
         {"op": "store", "id": "small", "request_id": "small", "token_ids": small},
+        daemon=large_daemon,
     )
     assert [r["id"] for r in replies] == ["big", "small"]
     big_reply, small_reply = replies
@@ -80,6 +95,7 @@ def test_duplicate_id_of_a_store_under_way_is_refused(
         dealer,
         {"op": "store", "id": 1, "request_id": "same", "token_ids": prompt(LARGE, 2)},
         {"op": "store", "id": 2, "request_id": "same", "token_ids": prompt(2, 3)},
+        daemon=large_daemon,
     )
     by_id = {r["id"]: r for r in replies}
     assert by_id[1]["ok"]
@@ -95,15 +111,18 @@ def test_reset_behind_a_large_store_is_answered_first_and_the_stream_stays_exact
             go_live(sub, client, [0])
             replies = send_all(
                 dealer,
-                {"op": "store", "id": "store", "request_id": "r", "token_ids": prompt(LARGE, 4)},
+                # Four times as large: dozens of loop turns, so the reset right behind it
+                # arrives while it is under way even on a starved machine.
+                {"op": "store", "id": "store", "request_id": "r", "token_ids": prompt(HUGE, 4)},
                 {"op": "reset", "id": "reset", "force": True},
+                daemon=large_daemon,
             )
             assert [r["id"] for r in replies] == ["reset", "store"], replies
             reset, store = replies[0], replies[1]
             assert reset["ok"] and store["ok"], replies
             # The reset came first, so the store's blocks are what the cache holds now.
-            assert len(store["block_ids"]) == LARGE
-            assert client.stats().ranks[0].blocks_cached == LARGE
+            assert len(store["block_ids"]) == HUGE
+            assert client.stats().ranks[0].blocks_cached == HUGE
             assert_mirror_is_snapshot(sub, client, [0])
             client.release("r")
     finally:

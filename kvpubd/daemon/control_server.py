@@ -21,6 +21,7 @@ import zmq
 
 from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
 from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, pin_io_thread, readable, reader_fd
 from kvpubd.protocol.auth import CurveServer
 from kvpubd.protocol.config import ControlConfig
@@ -32,7 +33,8 @@ log = logging.getLogger("kvpubd")
 CONTROL_BURST = 64
 
 # Bytes, or a future of a buffer for a reply built across loop turns (sent without a copy).
-Reply = bytes | asyncio.Future[Any]
+# Now, on a later loop turn (a snapshot), or the moment an op done in slices finishes (a store).
+Reply = bytes | asyncio.Future[Any] | Pending[bytes]
 Handler = Callable[[Request], Reply]
 
 
@@ -124,6 +126,8 @@ class ControlServer:
             reply = self.handle_frames(frames)
             if isinstance(reply, bytes):
                 self._send(frames[0], reply)
+            elif isinstance(reply, Pending):
+                reply.then(functools.partial(self._send_settled, frames[0]))
             elif reply is not None:
                 reply.add_done_callback(functools.partial(self._send_result, frames[0]))
         asyncio.get_running_loop().call_soon(self._serve)
@@ -156,6 +160,10 @@ class ControlServer:
             )
         except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
             log.debug("control: reply dropped: %s", exc)
+
+    def _send_settled(self, identity: bytes, reply: bytes | None, _: BaseException | None) -> None:
+        if reply is not None:  # Operations always settles with a reply
+            self._send(identity, reply)
 
     def _send_result(self, identity: bytes, done: asyncio.Future[Any]) -> None:
         if not done.cancelled() and done.exception() is None:

@@ -16,6 +16,7 @@ from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
 from kvpubd.daemon.snapshot import Buffer, assemble
 from kvpubd.daemon.snapshot import Snapshot as SnapshotData
@@ -53,7 +54,7 @@ class Operations:
         self.epoch = epoch
         self.paused = False
         self._metrics = metrics
-        self._ops: dict[type, Callable[[Any], dict[str, Any] | asyncio.Future[dict[str, Any]]]] = {
+        self._ops: dict[type, Callable[[Any], dict[str, Any] | Pending[dict[str, Any]]]] = {
             Ping: self.ping,
             Stats: self.stats,
             Store: self.store,
@@ -73,7 +74,7 @@ class Operations:
             if isinstance(request, Snapshot):
                 return self.snapshot(request)
             result = self._ops[type(request)](request)
-            if isinstance(result, asyncio.Future):
+            if isinstance(result, Pending):
                 return self._later(request, result)
             return ok_reply(request.id, **result)
         except CacheError as exc:
@@ -86,26 +87,28 @@ class Operations:
         finally:
             self._metrics.control(request.op, error_code)
 
-    def _later(
-        self, request: Request, pending: asyncio.Future[dict[str, Any]]
-    ) -> asyncio.Future[bytes]:
-        """The reply to a request whose op finishes on a later loop turn."""
-        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    def _later(self, request: Request, pending: Pending[dict[str, Any]]) -> Pending[bytes]:
+        """The reply to a request whose op finishes on a later loop turn, made the moment
+        it finishes."""
 
-        def answer(done: asyncio.Future[dict[str, Any]]) -> None:
-            if done.cancelled():
-                reply.set_result(error_reply(request.id, "internal", "stopped before it finished"))
-            elif isinstance(exc := done.exception(), CacheError):
-                reply.set_result(error_reply(request.id, exc.code, exc.message))
-            elif exc is not None:
-                log.error("control: %s failed: %r", request.op, exc)
-                reply.set_result(
-                    error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
-                )
+        def answer(fields: dict[str, Any]) -> bytes:
+            return ok_reply(request.id, **fields)
+
+        reply: Pending[bytes] = Pending()
+
+        def settle(encoded: bytes | None, exc: BaseException | None) -> None:
+            if exc is None:
+                assert encoded is not None
+                reply.resolve(encoded)
+            elif isinstance(exc, asyncio.CancelledError):
+                reply.resolve(error_reply(request.id, "internal", "stopped before it finished"))
+            elif isinstance(exc, CacheError):
+                reply.resolve(error_reply(request.id, exc.code, exc.message))
             else:
-                reply.set_result(ok_reply(request.id, **done.result()))
+                log.error("control: %s failed: %r", request.op, exc)
+                reply.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
 
-        pending.add_done_callback(answer)
+        pending.map(answer).then(settle)
         return reply
 
     def _pipeline(self, rank: int) -> RankPipeline:
@@ -142,7 +145,7 @@ class Operations:
         log.info("periodic drain %s", "paused" if self.paused else "resumed")
         return {"paused": self.paused}
 
-    def store(self, request: Store) -> dict[str, Any] | asyncio.Future[dict[str, Any]]:
+    def store(self, request: Store) -> dict[str, Any] | Pending[dict[str, Any]]:
         pipeline = self._pipeline(request.rank)
         limit = self.settings.control.max_tokens_per_request
         count = token_count(request.token_ids)

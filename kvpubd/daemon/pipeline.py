@@ -7,7 +7,6 @@ Every operation validates first and mutates after, so a refused request changes 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,7 @@ import zmq
 
 from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher, seq_origin
@@ -113,14 +113,12 @@ class RankPipeline:
         lora_id: int | None,
         lora_name: str | None,
         cache_salt: str | None,
-    ) -> dict[str, Any] | asyncio.Future[dict[str, Any]]:
-        """The store's reply fields, or a future of them for a store done in slices (a large
+    ) -> dict[str, Any] | Pending[dict[str, Any]]:
+        """The store's reply fields, or those to come for a store done in slices (a large
         one, or any behind one)."""
         if self._stores.busy or len(tokens) // self.cache.block_size > SYNC_BLOCKS:
             stored = self._stores.submit(request_id, tokens, lora_id, lora_name, cache_salt)
-            reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-            stored.add_done_callback(lambda done: _chain(done, reply, self._store_reply))
-            return reply
+            return stored.map(self._store_reply)
         return self._store_reply(
             self.cache.store(request_id, tokens, lora_id, lora_name, cache_salt)
         )
@@ -234,19 +232,3 @@ class RankPipeline:
             self._snapshot.cancel()
         self.publisher.close()
         self.cache.pool.close()
-
-
-def _chain(
-    done: asyncio.Future[StoreResult],
-    into: asyncio.Future[dict[str, Any]],
-    convert: Callable[[StoreResult], dict[str, Any]],
-) -> None:
-    """Pass a finished future's outcome on, converted."""
-    if into.done():
-        return
-    if done.cancelled():
-        into.cancel()
-    elif done.exception() is not None:
-        into.set_exception(done.exception())  # type: ignore[arg-type]
-    else:
-        into.set_result(convert(done.result()))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpubd.daemon.cache import CacheError, RankCache, RequestId
+from kvpubd.daemon.pending import Pending
 from kvpubd.protocol.hashing import chain_digests, root_key
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,7 @@ class _Queued:
     lora_id: int | None
     lora_name: str | None
     cache_salt: str | None
-    result: asyncio.Future[StoreResult] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    result: Pending[StoreResult] = field(default_factory=Pending)
 
 
 class StoreQueue:
@@ -60,7 +59,7 @@ class StoreQueue:
         lora_id: int | None,
         lora_name: str | None,
         cache_salt: str | None,
-    ) -> asyncio.Future[StoreResult]:
+    ) -> Pending[StoreResult]:
         item = _Queued(request_id, tokens, lora_id, lora_name, cache_salt)
         self._queue.append(item)
         if self._task is None or self._task.done():
@@ -71,7 +70,7 @@ class StoreQueue:
         if self._task is not None:
             self._task.cancel()
         for item in self._queue:
-            item.result.cancel()
+            item.result.fail(asyncio.CancelledError())
         self._queue.clear()
 
     async def _run(self) -> None:
@@ -80,14 +79,16 @@ class StoreQueue:
             try:
                 result = await self._store(item)
             except CacheError as exc:
-                item.result.set_exception(exc)
+                item.result.fail(exc)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug: fail this store, keep serving
                 log.exception("store %r failed", item.request_id)
-                item.result.set_exception(exc)
+                item.result.fail(exc)
             else:
-                item.result.set_result(result)
+                # Its reply is sent right here (see Pending): nothing read after the store
+                # finished is answered ahead of it.
+                item.result.resolve(result)
             self._queue.popleft()
 
     async def _store(self, item: _Queued) -> StoreResult:

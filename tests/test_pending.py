@@ -1,0 +1,34 @@
+"""``Pending`` hands a result on inside ``resolve``: a chain of maps ends in the same step (an
+asyncio future would take one loop turn per link, and a request read in between could be
+answered first)."""
+
+from __future__ import annotations
+
+from kvpubd.daemon.pending import Pending
+
+
+def test_a_chain_settles_inside_resolve() -> None:
+    first: Pending[int] = Pending()
+    seen: list[tuple[object, object]] = []
+    first.map(lambda n: n + 1).map(str).then(lambda value, error: seen.append((value, error)))
+    assert seen == []
+    first.resolve(41)
+    assert seen == [("42", None)]
+    first.resolve(0)  # settled once: later outcomes change nothing
+    first.fail(RuntimeError("late"))
+    assert seen == [("42", None)]
+
+
+def test_errors_pass_down_the_chain_and_late_callbacks_run_at_once() -> None:
+    first: Pending[int] = Pending()
+    mapped = first.map(lambda n: 1 // n)
+    failure = ZeroDivisionError("boom")
+    first.fail(failure)
+    seen: list[tuple[object, object]] = []
+    mapped.then(lambda value, error: seen.append((value, error)))
+    assert seen == [(None, failure)] and mapped.done
+    converted: Pending[int] = Pending()
+    broken = converted.map(lambda n: 1 // n)
+    converted.resolve(0)  # the conversion itself raises: that is the chain's error
+    broken.then(lambda value, error: seen.append((value, type(error))))
+    assert seen[-1] == (None, ZeroDivisionError)
