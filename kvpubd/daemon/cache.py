@@ -180,7 +180,7 @@ class RankCache:
     def _evict(self, count: int) -> None:
         evicted = self.index.evict(count)
         digest = self.index.digest
-        hashes = self.wire_hash([digest[block_id] for block_id in evicted])
+        hashes = self.wire_hash(list(map(digest.__getitem__, evicted)))
         self.sink.removed(evicted, hashes)
         self.pool.free(evicted)
 

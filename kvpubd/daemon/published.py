@@ -16,7 +16,9 @@ time while no view is open.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 COMPACT_SLACK = 4096  # stale log entries tolerated beyond the live count before compacting
 COMPACT_STEP = 20_000  # log entries compacted per call
@@ -84,11 +86,11 @@ class PublishedRecord:
         return (b for i, b in enumerate(self._log) if entry.get(b) == i)
 
     def add(self, block_ids: list[int]) -> None:
-        entry, log = self._entry, self._log
+        log = self._log
         position = len(log)
-        for block_id in block_ids:
-            entry[block_id] = position
-            position += 1
+        # In C: no bytecode per block on the store path.
+        positions = range(position, position + len(block_ids))
+        self._entry.update(zip(block_ids, positions, strict=True))
         log.extend(block_ids)
 
     def discard(self, block_id: int) -> bool:
@@ -99,6 +101,20 @@ class PublishedRecord:
         for view in self._views:
             view.removed(position, block_id)
         return True
+
+    def discard_named(self, block_ids: list[int], names: list[T]) -> list[T]:
+        """Forget the published ones of ``block_ids``; the ``names`` of those (same order)."""
+        if self._views:
+            discard = self.discard
+            return [
+                name for block_id, name in zip(block_ids, names, strict=True) if discard(block_id)
+            ]
+        pop = self._entry.pop  # no view to tell: one C call per block
+        return [
+            name
+            for block_id, name in zip(block_ids, names, strict=True)
+            if pop(block_id, None) is not None
+        ]
 
     def freeze(self, capture: Callable[[int], Any]) -> FrozenView | None:
         """A view of the blocks published now, or None while a compaction is under way

@@ -136,8 +136,7 @@ class EventSink:
 
     def removed(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
         """Capture removals; only blocks whose store was published are named."""
-        discard = self.published.discard
-        named = [h for block_id, h in zip(block_ids, hashes, strict=True) if discard(block_id)]
+        named = self.published.discard_named(block_ids, hashes)
         if named:
             self._pending.append(BlockRemoved(block_hashes=named, medium=self.medium))
 
