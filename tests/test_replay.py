@@ -3,6 +3,9 @@ last, also for many clients at once, and the daemon answers control requests aft
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 from kvpubd.client import replay
 from kvpubd.daemon.publisher import REPLAY_CHUNK
 from kvpubd.protocol.config import rank_endpoint
@@ -45,3 +48,54 @@ def test_many_concurrent_replays_all_complete(start_daemon: DaemonFactory) -> No
     every = list(range(daemon.first_seq(), last + 1))
     for got in replays:
         assert got == every
+
+
+def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
+    tmp_path: Path,
+) -> None:
+    """A replay still streaming keeps the batches it has yet to send, beyond buffer_steps;
+    once it ended, the next publish brings the ring back to buffer_steps (a replay from 0
+    then starts buffer_steps batches back)."""
+    import zmq
+
+    from kvpubd.daemon.publisher import Publisher
+
+    context = zmq.Context()
+    publisher = Publisher(
+        context,
+        endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=4,
+    )
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(publisher.replay_endpoint)
+
+    def replayed() -> list[int]:
+        """Pump the publisher (no loop runs here) until the replay's end marker arrives."""
+        seqs = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            publisher.handle_replay()
+            while dealer.poll(10):
+                frames = dealer.recv_multipart()
+                if frames[-2] == b"\xff" * 8:
+                    return seqs
+                seqs.append(int.from_bytes(frames[-2], "big"))
+        raise AssertionError(f"the replay did not end; got {seqs}")
+
+    try:
+        for _ in range(4):
+            publisher.publish([])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while not publisher.replays_in_progress:  # accepted; no time given to stream it
+            publisher.handle_replay(slice_s=0)
+        for _ in range(20):
+            publisher.publish([])
+        assert replayed() == list(range(24))  # nothing it still needed was dropped
+        last = publisher.publish([])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert replayed() == list(range(last - 3, last + 1))
+    finally:
+        dealer.close(linger=0)
+        publisher.close()
+        context.term()

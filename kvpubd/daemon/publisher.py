@@ -155,6 +155,11 @@ class Publisher:
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @property
+    def replays_in_progress(self) -> int:
+        """Replays accepted and not finished (streaming, or waiting for a snapshot batch)."""
+        return len(self._replays) + len(self._waiting)
+
+    @property
     def last_seq(self) -> int:
         """The seq of the last batch sent, ``first_seq - 1`` before the first."""
         return self._next_seq - 1
@@ -167,12 +172,14 @@ class Publisher:
         self._next_seq = seq + 1
         payload = self._encoder.encode(time.time() if ts is None else ts, events)
         seq_frame = pack_seq(seq)
-        self._ring.append((seq_frame, payload))
-        if len(self._ring) > self.buffer_steps:
+        ring = self._ring
+        ring.append((seq_frame, payload))
+        if len(ring) > self.buffer_steps:
             if self._replays or self._waiting:
                 self._trim()
-            else:
-                self._ring.popleft()
+            else:  # back to buffer_steps, also after replays had it keep more
+                while len(ring) > self.buffer_steps:
+                    ring.popleft()
         # PUB never blocks: at the HWM ZeroMQ drops for that subscriber, and replay repairs it.
         send = self.pub.send
         send(self.topic, _MORE)
@@ -257,7 +264,7 @@ class Publisher:
                 "rank %d: ignored malformed replay request (%d frames)", self.rank, len(frames)
             )
             return
-        if len(self._replays) + len(self._waiting) >= self.max_replays:
+        if self.replays_in_progress >= self.max_replays:
             # No reply: the client times out and asks again once the others are served.
             self.replays_refused += 1
             log.debug("rank %d: %d replays in progress, one refused", self.rank, self.max_replays)
