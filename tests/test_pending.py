@@ -4,6 +4,8 @@ answered first)."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvpubd.daemon.pending import Pending
 
 
@@ -32,3 +34,15 @@ def test_errors_pass_down_the_chain_and_late_callbacks_run_at_once() -> None:
     converted.resolve(0)  # the conversion itself raises: that is the chain's error
     broken.then(lambda value, error: seen.append((value, type(error))))
     assert seen[-1] == (None, ZeroDivisionError)
+
+
+def test_a_failing_callback_is_logged_and_the_others_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    first: Pending[int] = Pending()
+    seen: list[object] = []
+    first.then(lambda value, error: 1 // 0)
+    first.then(lambda value, error: seen.append(value))
+    first.resolve(7)  # does not raise into the resolver (the store queue's task)
+    assert seen == [7]
+    assert "callback failed" in caplog.text

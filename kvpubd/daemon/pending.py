@@ -9,9 +9,11 @@ the same step in which the store finishes."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 U = TypeVar("U")
 
@@ -62,4 +64,7 @@ class Pending(Generic[T]):
         self._outcome = (value, error)
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            callback(value, error)
+            try:
+                callback(value, error)
+            except Exception:  # a bug in one receiver: logged, the resolver goes on
+                log.exception("a pending result's callback failed")
