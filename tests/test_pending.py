@@ -46,3 +46,21 @@ def test_a_failing_callback_is_logged_and_the_others_still_run(
     first.resolve(7)  # does not raise into the resolver (the store queue's task)
     assert seen == [7]
     assert "callback failed" in caplog.text
+
+
+async def test_of_future_passes_on_a_result_an_error_and_a_cancel() -> None:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    seen: list[tuple[object, type | None]] = []
+    futures = [loop.create_future() for _ in range(3)]
+    for future in futures:
+        Pending.of_future(future).then(
+            lambda value, error: seen.append((value, type(error) if error else None))
+        )
+    futures[0].set_result("reply")
+    futures[1].set_exception(KeyError("x"))
+    futures[2].cancel()
+    while len(seen) < 3:  # the futures' callbacks run on the next loop turn
+        await asyncio.sleep(0)
+    assert seen == [("reply", None), (None, KeyError), (None, asyncio.CancelledError)]

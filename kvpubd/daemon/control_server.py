@@ -32,9 +32,9 @@ log = logging.getLogger("kvpubd")
 # Requests handled per reader wake-up before the loop gets a turn (drain ticks, replays).
 CONTROL_BURST = 64
 
-# Bytes, or a future of a buffer for a reply built across loop turns (sent without a copy).
-# Now, on a later loop turn (a snapshot), or the moment an op done in slices finishes (a store).
-Reply = bytes | asyncio.Future[Any] | Pending[bytes]
+# Bytes now, or bytes or a buffer to come (a store done in slices, sent the moment it finishes;
+# a snapshot built across loop turns, sent without a copy).
+Reply = bytes | Pending[bytes] | Pending[memoryview]
 Handler = Callable[[Request], Reply]
 
 
@@ -126,10 +126,8 @@ class ControlServer:
             reply = self.handle_frames(frames)
             if isinstance(reply, bytes):
                 self._send(frames[0], reply)
-            elif isinstance(reply, Pending):
-                reply.then(functools.partial(self._send_settled, frames[0]))
             elif reply is not None:
-                reply.add_done_callback(functools.partial(self._send_result, frames[0]))
+                reply.then(functools.partial(self._send_settled, frames[0]))
         asyncio.get_running_loop().call_soon(self._serve)
 
     def handle_frames(self, frames: list[bytes]) -> Reply | None:
@@ -161,10 +159,8 @@ class ControlServer:
         except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
             log.debug("control: reply dropped: %s", exc)
 
-    def _send_settled(self, identity: bytes, reply: bytes | None, _: BaseException | None) -> None:
-        if reply is not None:  # Operations always settles with a reply
+    def _send_settled(
+        self, identity: bytes, reply: bytes | memoryview | None, _: BaseException | None
+    ) -> None:
+        if reply is not None:  # a reply cancelled at shutdown is not sent
             self._send(identity, reply)
-
-    def _send_result(self, identity: bytes, done: asyncio.Future[Any]) -> None:
-        if not done.cancelled() and done.exception() is None:
-            self._send(identity, done.result())

@@ -199,12 +199,13 @@ class Operations:
         )
         return {"markers": markers}
 
-    def snapshot(self, request: Snapshot) -> asyncio.Future[Buffer]:
+    def snapshot(self, request: Snapshot) -> Pending[Buffer]:
         """Answered once the rank's snapshot job is done and its reply put together, both a
         slice per loop turn: a snapshot never holds the loop."""
         pipeline = self._pipeline(request.rank)
         job = pipeline.snapshot().result
-        return asyncio.ensure_future(self._snapshot_reply(request, pipeline.rank, job))
+        reply = asyncio.ensure_future(self._snapshot_reply(request, pipeline.rank, job))
+        return Pending.of_future(reply)
 
     async def _snapshot_reply(
         self, request: Snapshot, rank: int, job: asyncio.Future[SnapshotData]

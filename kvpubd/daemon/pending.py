@@ -9,6 +9,7 @@ the same step in which the store finishes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -22,6 +23,22 @@ class Pending(Generic[T]):
     def __init__(self) -> None:
         self._callbacks: list[Callable[[T | None, BaseException | None], None]] = []
         self._outcome: tuple[T | None, BaseException | None] | None = None
+
+    @classmethod
+    def of_future(cls, future: asyncio.Future[T]) -> Pending[T]:
+        """The outcome of an asyncio future (a cancel as CancelledError), when it comes."""
+        pending: Pending[T] = cls()
+
+        def settle(done: asyncio.Future[T]) -> None:
+            if done.cancelled():
+                pending.fail(asyncio.CancelledError())
+            elif (error := done.exception()) is not None:
+                pending.fail(error)
+            else:
+                pending.resolve(done.result())
+
+        future.add_done_callback(settle)
+        return pending
 
     @property
     def done(self) -> bool:

@@ -157,7 +157,6 @@ class DaemonProcess:
             ("control", "endpoint"): self.control_endpoint,
         }
         for (section, key), endpoint in picked.items():
-            self.settings[section].setdefault(key, endpoint)
             if (section, key) not in self._chosen:
                 self.settings[section][key] = endpoint
         self.events_endpoint = self.settings["events"]["endpoint"]
