@@ -76,6 +76,12 @@ def test_bench_throughput_over_ranks_and_under_paced_load() -> None:
                   "--ranks", "2")  # fmt: skip
     assert ranks["ranks"] == 2 and ranks["gaps"] == 0 and ranks["blocks"] > 0
     assert ranks["daemon_cpu_us_per_block"] > 0
+    # The same requests over one single-rank daemon per rank: each rank's cache sees the same
+    # prompts, so exactly the same blocks are published.
+    apart = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096",
+                  "--ranks", "2", "--daemon-per-rank")  # fmt: skip
+    assert (apart["daemons"], ranks["daemons"]) == (2, 1)
+    assert apart["gaps"] == 0 and apart["blocks"] == ranks["blocks"]
     loaded = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096",
                    "--load-fraction", "0.5", "--load-fraction", "0.9", "--resets", "3")  # fmt: skip
     rows = loaded["reset_under_load"]

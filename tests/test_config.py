@@ -117,6 +117,22 @@ BAD_FILES: dict[str, tuple[str, str]] = {
         "[cache]\ndata_parallel_size = 4\n",
         "events.replay_endpoint",
     ),
+    # Rank 3 of a daemon serving 1 from start rank 3 binds base + 3: the control port.
+    "start-rank-overlaps": (
+        '[events]\nendpoint = "tcp://127.0.0.1:6000"\nreplay_endpoint = "tcp://127.0.0.1:6100"\n'
+        '[control]\nendpoint = "tcp://127.0.0.1:6003"\n[cache]\ndata_parallel_start_rank = 3\n',
+        "control.endpoint",
+    ),
+    "start-rank-past-65535": (
+        '[events]\nendpoint = "tcp://127.0.0.1:65530"\nreplay_endpoint = "{rp}"\n'
+        "[cache]\ndata_parallel_start_rank = 10\n",
+        "events.endpoint",
+    ),
+    "ranks-past-the-last": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\n'
+        "[cache]\ndata_parallel_start_rank = 60\ndata_parallel_size = 8\n",
+        "cache.data_parallel_start_rank",
+    ),
 }
 
 

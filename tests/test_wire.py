@@ -572,3 +572,25 @@ def test_one_encoder_writes_every_batch_of_token_arrays_exactly(
         decoded = decode_batch(payload).events
         assert [e.token_ids for e in decoded] == [a.tolist() for a in arrays]  # type: ignore[union-attr]
         assert [e["token_ids"] for e in msgpack.unpackb(payload)[1]] == [a.tolist() for a in arrays]
+
+
+def test_an_array_longer_than_a_16_bit_header_holds_is_written_whole() -> None:
+    """Small ids (which fit 16-bit items) in an array of more than 65535 ids: the header must
+    take the 32-bit form, and the shorter array beside it must still read back exactly."""
+    long = (np.arange(70_000) % 1000).astype(np.uint32)
+    short = np.arange(5, dtype=np.uint32)
+    events = [
+        BlockStored(
+            block_hashes=[i],
+            parent_block_hash=None,
+            token_ids=a,  # type: ignore[arg-type]
+            block_size=1,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        for i, a in enumerate((short, long, short))
+    ]
+    payload = BatchEncoder("map", 0).encode(1.0, events)
+    decoded = msgpack.unpackb(payload)[1]
+    assert [e["token_ids"] for e in decoded] == [short.tolist(), long.tolist(), short.tolist()]

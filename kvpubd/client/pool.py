@@ -64,6 +64,7 @@ class MappedPool:
             self._ipc_ptr = None
 
 
-def map_pool(control: ControlClient, rank: int = 0) -> MappedPool:
-    """Map rank ``rank``'s block pool of the daemon behind ``control`` into this process."""
+def map_pool(control: ControlClient, rank: int | None = None) -> MappedPool:
+    """Map rank ``rank``'s block pool (default: the first rank served) of the daemon behind
+    ``control`` into this process."""
     return MappedPool(control.pool_info(rank))

@@ -252,12 +252,13 @@ def store(
     request_id: RequestId,
     token_ids: Sequence[int] | np.ndarray | bytes,
     *,
-    rank: int = 0,
+    rank: int | None = None,
     lora_id: int | None = None,
     lora_name: str | None = None,
     cache_salt: str | None = None,
 ) -> Call[StoreReply]:
-    """Store a prompt on ``rank`` and pin its blocks until ``release(request_id)``. The
+    """Store a prompt on ``rank`` (default: the daemon's first rank) and pin its blocks until
+    ``release(request_id)``. The
     longest cached prefix is reused; ``lora_id``/``lora_name`` and ``cache_salt`` separate
     prompts that must not share blocks. A NumPy array of token ids travels as packed uint32
     bytes (the fast form)."""
@@ -268,8 +269,13 @@ def store(
         tokens = token_ids
     else:
         tokens = list(token_ids)
-    fields: dict[str, object] = {"request_id": request_id, "token_ids": tokens, "rank": rank}
-    for key, value in (("lora_id", lora_id), ("lora_name", lora_name), ("cache_salt", cache_salt)):
+    fields: dict[str, object] = {"request_id": request_id, "token_ids": tokens}
+    for key, value in (
+        ("rank", rank),
+        ("lora_id", lora_id),
+        ("lora_name", lora_name),
+        ("cache_salt", cache_salt),
+    ):
         if value is not None:
             fields[key] = value
     return Call("store", fields, StoreReply.parse)
@@ -299,17 +305,22 @@ def resume() -> Call[PauseReply]:
     return Call("resume", {}, PauseReply.parse)
 
 
-def snapshot(rank: int = 0) -> Call[SnapshotReply]:
-    """The rank's published cache, exactly as of its last batch (pending events go out
-    first)."""
-    return Call("snapshot", {"rank": rank}, SnapshotReply.parse)
+def _on_rank(rank: int | None, **fields: object) -> dict[str, object]:
+    """Request fields naming ``rank``; None leaves it out (the daemon's first rank)."""
+    return fields if rank is None else {"rank": rank, **fields}
 
 
-def pool_info(rank: int = 0) -> Call[PoolInfo]:
+def snapshot(rank: int | None = None) -> Call[SnapshotReply]:
+    """The rank's published cache (default: the daemon's first rank), exactly as of its last
+    batch (pending events go out first)."""
+    return Call("snapshot", _on_rank(rank), SnapshotReply.parse)
+
+
+def pool_info(rank: int | None = None) -> Call[PoolInfo]:
     """How to map the rank's block pool (``kvpubd.client.map_pool`` does it)."""
-    return Call("pool_info", {"rank": rank}, PoolInfo.parse)
+    return Call("pool_info", _on_rank(rank), PoolInfo.parse)
 
 
-def checksum(block_ids: Sequence[int], rank: int = 0) -> Call[ChecksumReply]:
+def checksum(block_ids: Sequence[int], rank: int | None = None) -> Call[ChecksumReply]:
     """A 64-bit checksum of each block's bytes in the pool."""
-    return Call("checksum", {"rank": rank, "block_ids": list(block_ids)}, ChecksumReply.parse)
+    return Call("checksum", _on_rank(rank, block_ids=list(block_ids)), ChecksumReply.parse)

@@ -111,12 +111,16 @@ class Operations:
         pending.map(answer).then(settle)
         return reply
 
-    def _pipeline(self, rank: int) -> RankPipeline:
-        if rank >= len(self.pipelines):
-            raise CacheError(
-                "bad_request", f"rank: {rank} is not served (ranks: {len(self.pipelines)})"
-            )
-        return self.pipelines[rank]
+    def _pipeline(self, rank: int | None) -> RankPipeline:
+        """The pipeline of ``rank``; None names the first rank served."""
+        pipelines = self.pipelines
+        first = pipelines[0].rank
+        if rank is None:
+            return pipelines[0]
+        if not first <= rank < first + len(pipelines):
+            served = f"{first}" if len(pipelines) == 1 else f"{first}..{pipelines[-1].rank}"
+            raise CacheError("bad_request", f"rank: {rank} is not served (ranks: {served})")
+        return pipelines[rank - first]
 
     def ping(self, request: Ping) -> dict[str, Any]:
         return {

@@ -169,7 +169,7 @@ class Service:
             self._context, self.settings.control, self.operations.handle, self.metrics
         )
         self.control.bind()
-        for rank in range(self.settings.cache.data_parallel_size):
+        for rank in self.settings.cache.ranks:
             self.pipelines.append(
                 RankPipeline(rank, self.settings, self._context, self.metrics, self._reaper)
             )

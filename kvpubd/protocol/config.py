@@ -126,6 +126,27 @@ class CacheConfig(_Section):
     dtype: Literal["float16", "bfloat16", "float32", "float8", "uint8"] = "float16"
     scrub_on_free: bool = True
     data_parallel_size: int = Field(1, ge=1, le=MAX_RANKS)
+    # The first rank served: ranks start .. start + size - 1, each publishing on the base
+    # endpoints offset by its rank, as vLLM's engines do. One daemon per engine rank (size 1,
+    # start = the engine's rank) spreads the ranks over as many processes.
+    data_parallel_start_rank: int = Field(0, ge=0, lt=MAX_RANKS)
+
+    @model_validator(mode="after")
+    def _check_ranks(self) -> CacheConfig:
+        last = self.data_parallel_start_rank + self.data_parallel_size - 1
+        if last >= MAX_RANKS:
+            raise ValueError(
+                f"cache.data_parallel_start_rank: ranks {self.data_parallel_start_rank}..{last} "
+                f"go past the last rank, {MAX_RANKS - 1}"
+            )
+        return self
+
+    @property
+    def ranks(self) -> range:
+        """The ranks served."""
+        return range(
+            self.data_parallel_start_rank, self.data_parallel_start_rank + self.data_parallel_size
+        )
 
     @field_validator("device")
     @classmethod
@@ -195,20 +216,20 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_port_ranges(self) -> Settings:
-        ranks = self.cache.data_parallel_size
+        ranks = self.cache.ranks
         ranges: list[tuple[str, range]] = []
-        for key, endpoint, width in (
+        for key, endpoint, served in (
             ("events.endpoint", self.events.endpoint, ranks),
             ("events.replay_endpoint", self.events.replay_endpoint, ranks),
-            ("control.endpoint", self.control.endpoint, 1),
-            ("metrics.port", f"tcp://*:{self.metrics.port}" if self.metrics.port else "", 1),
+            ("control.endpoint", self.control.endpoint, range(1)),
+            ("metrics.port", f"tcp://*:{self.metrics.port}" if self.metrics.port else "", range(1)),
         ):
             port = tcp_port(endpoint) if endpoint else None
             if port is None:
                 continue
-            if port + width - 1 > 65535:
-                raise ValueError(f"{key}: ports {port}..{port + width - 1} exceed 65535")
-            here = range(port, port + width)
+            here = range(port + served.start, port + served.stop)
+            if here.stop - 1 > 65535:
+                raise ValueError(f"{key}: ports {here.start}..{here.stop - 1} exceed 65535")
             for other_key, other in ranges:
                 if set(here) & set(other):
                     raise ValueError(
@@ -271,7 +292,9 @@ def _describe(error: Any) -> str:
         message = "unknown section" if len(loc) == 1 else "unknown key"
     elif error["type"] == "model_type" and len(loc) == 1:
         message = f"must be a section ([{key}] in TOML), not {error['input']!r}"
-    return f"{key}: {message}" if key else message
+    if not key or message.startswith(f"{key}."):  # a section's check names its own key
+        return message
+    return f"{key}: {message}"
 
 
 def _known_env() -> list[str]:

@@ -43,7 +43,7 @@ class Store(_Request):
     request_id: RequestId
     # A list of ints, or bytes of packed little-endian uint32 (no per-token decoding).
     token_ids: list[int] | bytes
-    rank: Rank = 0
+    rank: Rank | None = None  # the first rank served
     lora_id: I64 | None = None
     lora_name: Annotated[str, Field(max_length=MAX_LORA_NAME_CHARS)] | None = None
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
@@ -70,17 +70,17 @@ class Resume(_Request):
 
 class Snapshot(_Request):
     op: Literal["snapshot"]
-    rank: Rank = 0
+    rank: Rank | None = None  # the first rank served
 
 
 class PoolInfo(_Request):
     op: Literal["pool_info"]
-    rank: Rank = 0
+    rank: Rank | None = None  # the first rank served
 
 
 class Checksum(_Request):
     op: Literal["checksum"]
-    rank: Rank = 0
+    rank: Rank | None = None  # the first rank served
     block_ids: list[Annotated[int, Field(ge=0)]]
 
 

@@ -1033,71 +1033,95 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def measure_throughput(
-    requests: int, window: int, num_blocks: int, ranks: int = 1
+    requests: int, window: int, num_blocks: int, ranks: int = 1, daemon_per_rank: bool = False
 ) -> dict[str, Any]:
+    """Store+release requests round-robin over ``ranks``, served by one daemon, or with
+    ``daemon_per_rank`` by one single-rank daemon each (``cache.data_parallel_start_rank``)
+    with ``window`` requests in flight per daemon."""
     import multiprocessing
+    from contextlib import ExitStack
 
     from kvpubd.protocol.config import rank_endpoint
 
     prompts = make_prompts(requests)
-    overrides: dict[str, dict[str, Any]] = {
-        "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, "data_parallel_size": ranks},
-        "events": {"buffer_steps": 1000},
-        "service": {"log_level": "warning"},
-    }
+    layouts = (
+        [{"data_parallel_start_rank": rank, "data_parallel_size": 1} for rank in range(ranks)]
+        if daemon_per_rank
+        else [{"data_parallel_size": ranks}]
+    )
     spawn = multiprocessing.get_context("spawn")
     # Several ranks use ipc: one transport for every rank count keeps the figures comparable
     # with earlier runs.
     transport = "tcp" if ranks == 1 else "ipc"
-    with DaemonProcess(overrides, transport=transport) as daemon:
-        assert daemon.proc is not None
-        pipes, results, counters = [], [], []
-        for rank in range(ranks):
-            control_side, sub_side = spawn.Pipe()
-            results_in, results_out = spawn.Pipe(duplex=False)
-            endpoint = rank_endpoint(daemon.events_endpoint, rank)
-            # daemon=True: a failed run never waits on a counter that waits for its stop seq.
-            counter = spawn.Process(
-                target=_count_stored, args=(endpoint, sub_side, results_out), daemon=True
-            )
-            counter.start()
-            pipes.append(control_side)
-            results.append(results_in)
-            counters.append(counter)
-        probe = ResetProbe(daemon)
-        try:
-            # Resets (no stores) until every counter's SUB has received one.
-            for pipe in pipes:
-                while not pipe.poll(0.1):
-                    probe.client.reset(force=True)
-                pipe.recv()
-            cpu_start = _cpu_seconds(daemon.proc.pid)
-            start = time.monotonic()
-            in_flight = 0
-            sent = 0
-            while sent < len(prompts) or in_flight:
-                while sent < len(prompts) and in_flight < window:
-                    rank = sent % ranks
-                    probe.send("store", request_id=sent, token_ids=prompts[sent], rank=rank)
-                    probe.send("release", request_id=sent)
-                    sent += 1
-                    in_flight += 2
+    with ExitStack() as stack:
+        daemons = []
+        for layout in layouts:
+            overrides: dict[str, dict[str, Any]] = {
+                "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, **layout},
+                "events": {"buffer_steps": 1000},
+                "service": {"log_level": "warning"},
+            }
+            daemons.append(stack.enter_context(DaemonProcess(overrides, transport=transport)))
+        probes = []
+        for daemon in daemons:
+            probe = ResetProbe(daemon)
+            stack.callback(probe.close)
+            probes.append(probe)
+        # Per rank: the probe of the daemon serving it, and a counter process on its stream.
+        route: list[ResetProbe] = []
+        pipes, results = [], []
+        for daemon, probe in zip(daemons, probes, strict=True):
+            for rank in daemon.served:
+                control_side, sub_side = spawn.Pipe()
+                results_in, results_out = spawn.Pipe(duplex=False)
+                endpoint = rank_endpoint(daemon.events_endpoint, rank)
+                # daemon=True: a failed run never waits on a counter that waits for its stop seq.
+                counter = spawn.Process(
+                    target=_count_stored, args=(endpoint, sub_side, results_out), daemon=True
+                )
+                counter.start()
+                stack.callback(_join_counter, counter)
+                pipes.append((probe, control_side))
+                results.append(results_in)
+                route.append(probe)
+        # Resets (no stores) until every counter's SUB has received one.
+        for probe, pipe in pipes:
+            while not pipe.poll(0.1):
+                probe.client.reset(force=True)
+            pipe.recv()
+        pids = [daemon.proc.pid for daemon in daemons if daemon.proc is not None]
+        cpu_start = sum(map(_cpu_seconds, pids))
+        start = time.monotonic()
+        in_flight = dict.fromkeys(probes, 0)
+        poller = zmq.Poller()
+        by_socket = {}
+        for probe in probes:
+            poller.register(probe.control, zmq.POLLIN)
+            by_socket[probe.control] = probe
+        sent = 0
+        while sent < len(prompts) or any(in_flight.values()):
+            while sent < len(prompts) and in_flight[route[sent % ranks]] < window:
+                rank = sent % ranks
+                probe = route[rank]
+                probe.send("store", request_id=sent, token_ids=prompts[sent], rank=rank)
+                probe.send("release", request_id=sent)
+                sent += 1
+                in_flight[probe] += 2
+            ready = poller.poll(60_000)
+            if not ready:
+                raise TimeoutError("the daemons did not answer within 60 s")
+            for socket, _ in ready:
+                probe = by_socket[socket]
                 probe.recv_reply()
-                in_flight -= 1
-            sent_all = time.monotonic()
-            ranks_stats = probe.client.stats().ranks
-            while any(rank.events_pending for rank in ranks_stats):
-                ranks_stats = probe.client.stats().ranks
-            cpu = _cpu_seconds(daemon.proc.pid) - cpu_start
-            for pipe, rank_stats in zip(pipes, ranks_stats, strict=True):
-                pipe.send(rank_stats.seq)
-            counted = [result.recv() for result in results]
-        finally:
-            probe.close()
-            for counter in counters:
-                counter.join(10)
-                if counter.is_alive():
-                    counter.terminate()
+                in_flight[probe] -= 1
+        sent_all = time.monotonic()
+        ranks_stats = [stats for probe in probes for stats in probe.client.stats().ranks]
+        while any(rank.events_pending for rank in ranks_stats):
+            ranks_stats = [stats for probe in probes for stats in probe.client.stats().ranks]
+        cpu = sum(map(_cpu_seconds, pids)) - cpu_start
+        for (_, pipe), rank_stats in zip(pipes, ranks_stats, strict=True):
+            pipe.send(rank_stats.seq)
+        counted = [result.recv() for result in results]
     blocks = sum(c["blocks"] for c in counted)
     elapsed = max(c["last"] for c in counted) - start
     return {
@@ -1106,12 +1130,19 @@ def measure_throughput(
         "gaps": sum(c["gaps"] for c in counted),
         "requests": requests,
         "ranks": ranks,
+        "daemons": len(daemons),
         "transport": transport,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
         "daemon_cpu_us_per_block": round(cpu / blocks * 1e6, 3) if blocks else None,
         "dropped_stored_blocks": sum(rank.dropped_stored_blocks for rank in ranks_stats),
     }
+
+
+def _join_counter(counter: Any) -> None:
+    counter.join(10)
+    if counter.is_alive():
+        counter.terminate()
 
 
 @bench_app.command("throughput")
@@ -1124,6 +1155,13 @@ def bench_throughput(
         int, typer.Option(help="Pool blocks per rank (evictions when full).")
     ] = 400_000,
     ranks: Annotated[int, typer.Option(help="Data-parallel ranks; requests go round-robin.")] = 1,
+    daemon_per_rank: Annotated[
+        bool,
+        typer.Option(
+            help="One single-rank daemon per rank (cache.data_parallel_start_rank), each "
+            "with --window requests in flight, instead of one daemon serving every rank."
+        ),
+    ] = False,
     load_fraction: Annotated[
         list[float] | None,
         typer.Option(
@@ -1149,7 +1187,7 @@ def bench_throughput(
     ):
         check_positive(option, value, integer=True)
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
-        result = measure_throughput(requests, window, num_blocks, ranks)
+        result = measure_throughput(requests, window, num_blocks, ranks, daemon_per_rank)
     if load_fraction:
         from kvpubd.tools.bench_paced import measure_resets_under_load
 
@@ -1163,6 +1201,7 @@ def bench_throughput(
         return
     table = Table(
         title=f"end-to-end: {requests} store requests, {window} in flight, {ranks} rank(s)"
+        + (" in a daemon each" if daemon_per_rank else "")
     )
     for column in (
         "blocks/s",

@@ -139,13 +139,21 @@ class DaemonProcess:
     def ranks(self) -> int:
         return int(self.settings["cache"].get("data_parallel_size", 1))
 
+    @property
+    def served(self) -> list[int]:
+        """The ranks served, from ``cache.data_parallel_start_rank``."""
+        start = int(self.settings["cache"].get("data_parallel_start_rank", 0))
+        return list(range(start, start + self.ranks))
+
     def _pick_endpoints(self) -> None:
         """Private endpoints (fresh free ports for tcp: one run of ``ranks`` ports each for
         events and replay), written into the config file."""
         if self.transport == "tcp":
             events, replay, control = free_tcp_port_runs([self.ranks, self.ranks, 1])
-            self.events_endpoint = f"tcp://127.0.0.1:{events}"
-            self.replay_endpoint = f"tcp://127.0.0.1:{replay}"
+            # Each rank binds the base port plus its rank: the run starts at the first rank's.
+            first = self.served[0]
+            self.events_endpoint = f"tcp://127.0.0.1:{events - first}"
+            self.replay_endpoint = f"tcp://127.0.0.1:{replay - first}"
             self.control_endpoint = f"tcp://127.0.0.1:{control}"
         else:
             self.events_endpoint = f"ipc://{self.dir}/events"
@@ -210,7 +218,7 @@ class DaemonProcess:
         return ControlClient(self.control_endpoint, timeout=timeout, curve=self.curve)
 
     def subscriber(self, **kwargs: Any) -> Subscriber:
-        kwargs.setdefault("ranks", self.ranks)
+        kwargs.setdefault("ranks", self.served)
         return Subscriber(self.events_endpoint, self.replay_endpoint, **kwargs)
 
     def log(self) -> str:

@@ -187,7 +187,7 @@ class LoadGenerator:
         *,
         rate: float,
         hold: float = 0.1,
-        ranks: int | None = None,
+        ranks: list[int] | None = None,
         seed: int = 0,
     ) -> None:
         if not rate > 0:
@@ -198,7 +198,8 @@ class LoadGenerator:
         self.workload = workload
         self.rate = rate
         self.hold = hold
-        self.ranks = ranks if ranks is not None else client.ping().ranks
+        # The ranks stored on: by default every rank the daemon serves.
+        self.ranks = ranks if ranks is not None else [e.rank for e in client.ping().endpoints]
         self.rng = random.Random(seed ^ 0xA11)
         self.stats = LoadStats()
         self._ids = itertools.count()
@@ -254,7 +255,8 @@ class LoadGenerator:
 
     def _send(self, now: float) -> None:
         prompt = self.workload.next()
-        rank = prompt.key % self.ranks if prompt.key >= 0 else self.rng.randrange(self.ranks)
+        ranks = self.ranks
+        rank = ranks[prompt.key % len(ranks)] if prompt.key >= 0 else self.rng.choice(ranks)
         request_id = f"{self._prefix}-{next(self._ids)}"
         self._count("store")
         try:
