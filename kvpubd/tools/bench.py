@@ -936,7 +936,9 @@ def _bench_against_vllm(batches: int, rounds: int, as_json: bool) -> None:
     table = Table(
         title=f"publisher vs vLLM's ZmqEventPublisher: {batches} batches of {result['batch']}, "
         f"median of {rounds}",
-        caption="blocks/s from the first publish to the last decode (vLLM's KVEventBatch)",
+        caption="blocks/s from the first publish to the last decode (vLLM's KVEventBatch); "
+        "decoder busy: share of a round its decoding process spent decoding (near 100 %: the "
+        "decoder, not the publisher, set the rate)",
     )
     for column in (
         "kvpubd blocks/s",
@@ -945,6 +947,7 @@ def _bench_against_vllm(batches: int, rounds: int, as_json: bool) -> None:
         "paired rounds",
         "kvpubd CPU us/block",
         "vLLM CPU us/block",
+        "decoder busy kvpubd / vLLM",
     ):
         table.add_column(column, justify="right")
     table.add_row(
@@ -954,6 +957,7 @@ def _bench_against_vllm(batches: int, rounds: int, as_json: bool) -> None:
         f"{result['paired_ratio']:.2f}x",
         f"{result['kvpubd_cpu_us_per_block']:.3f}",
         f"{result['vllm_cpu_us_per_block']:.3f}",
+        f"{result['decoder_busy']['kvpubd']:.0%} / {result['decoder_busy']['vllm']:.0%}",
     )
     Console().print(table)
 
