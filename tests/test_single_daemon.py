@@ -132,6 +132,44 @@ def test_second_daemon_on_a_tcp_control_endpoint_refuses(tmp_path: Path) -> None
         daemon.cleanup()
 
 
+@pytest.mark.parametrize("shared", ["events", "replay"])
+def test_second_daemon_on_another_control_endpoint_keeps_off_the_ipc_sockets(
+    tmp_path: Path, shared: str
+) -> None:
+    """Its own control endpoint, but the first one's ipc events (or replay) socket: libzmq
+    would bind it by removing the first one's socket file, stealing its subscribers and
+    leaving it unreachable once the second stops. The lock beside the socket file refuses
+    the second, naming the rank, the endpoint and the first's pid."""
+    daemon = Daemon({"cache": {"data_parallel_size": 2}})
+    try:
+        daemon.start()
+        settings = {section: dict(values) for section, values in daemon.settings.items()}
+        settings["control"]["endpoint"] = f"ipc://{tmp_path}/second.sock"
+        # Rank 1 alone, from rank 1: only that rank's socket is shared.
+        settings["cache"].update(data_parallel_start_rank=1, data_parallel_size=1)
+        other = f"ipc://{tmp_path}/own"
+        if shared == "events":
+            settings["events"]["replay_endpoint"] = other
+        else:
+            settings["events"]["endpoint"] = other
+        config = tmp_path / "second.toml"
+        write_config(config, settings)
+        second = serve(config)
+        assert second.returncode == 1, second.stderr
+        base = daemon.events_endpoint if shared == "events" else daemon.replay_endpoint
+        assert second.stderr.strip().splitlines() == [
+            f"kvpubd: cannot start: rank 1 {shared} endpoint {base}_dp1 is in use by a running "
+            f"daemon (pid {daemon.proc.pid})"
+        ]
+        assert Path(f"{base.removeprefix('ipc://')}_dp1").exists()
+        with daemon.client() as client:
+            assert client.ping().epoch == daemon.epoch
+            assert published_after(daemon, client)
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+
+
 def test_abstract_ipc_control_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`ipc://@name` binds an abstract socket: no file named `@name` is made, chmod-ed or
     removed (a file of that name in the working directory survives), and the lock holds."""

@@ -18,18 +18,19 @@ import zmq
 
 
 class EndpointInUse(RuntimeError):
-    def __init__(self, endpoint: str, pid: int | None) -> None:
+    def __init__(self, endpoint: str, pid: int | None, what: str = "control endpoint") -> None:
         owner = f" (pid {pid})" if pid is not None else ""
-        super().__init__(f"control endpoint {endpoint} is in use by a running daemon{owner}")
+        super().__init__(f"{what} {endpoint} is in use by a running daemon{owner}")
         self.pid = pid
 
 
 def ipc_path(endpoint: str) -> Path | None:
-    """The socket file of an ipc endpoint; None for tcp, inproc and abstract names."""
+    """The socket file of an ipc endpoint; None for tcp, inproc, abstract names and
+    ``ipc://*`` (a fresh path libzmq picks)."""
     if not endpoint.startswith("ipc://"):
         return None
     address = endpoint.removeprefix("ipc://")
-    return None if address.startswith("@") else Path(address)
+    return None if address.startswith("@") or address == "*" else Path(address)
 
 
 def bind_ipc_safely(sock: zmq.Socket, endpoint: str) -> None:
@@ -66,7 +67,7 @@ class EndpointLock:
         self._fd: int | None = fd
 
     @classmethod
-    def acquire(cls, endpoint: str, path: Path) -> EndpointLock:
+    def acquire(cls, endpoint: str, path: Path, what: str = "control endpoint") -> EndpointLock:
         """Take the lock at ``path``; EndpointInUse naming the holder's pid if another has it."""
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -75,7 +76,7 @@ class EndpointLock:
             except BlockingIOError:
                 pid = _read_pid(fd)
                 os.close(fd)
-                raise EndpointInUse(endpoint, pid) from None
+                raise EndpointInUse(endpoint, pid, what) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -98,6 +99,26 @@ class EndpointLock:
         self.path.unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = None
+
+
+def lock_socket_files(endpoints: list[tuple[str, str]]) -> list[EndpointLock]:
+    """Lock the socket file of each ``(what, endpoint)`` that has one, before it is bound:
+    libzmq binds an ipc path by removing whatever socket is there, so a second daemon on the
+    same path would silently take the first one's subscribers (and remove its socket when it
+    stops). tcp and abstract names need no lock: their bind fails while another holds them.
+    A path whose directory is missing is left to the bind, which names it."""
+    locks: list[EndpointLock] = []
+    try:
+        for what, endpoint in endpoints:
+            path = ipc_path(endpoint)
+            if path is not None and path.parent.is_dir():
+                lock_file = path.with_name(path.name + ".lock")
+                locks.append(EndpointLock.acquire(endpoint, lock_file, what))
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
 
 
 def _read_pid(fd: int) -> int | None:

@@ -26,6 +26,7 @@ from kvpubd.daemon.endpoint_lock import (
     EndpointInUse,
     EndpointLock,
     lock_path,
+    lock_socket_files,
     make_parents,
     remove_dirs,
 )
@@ -36,7 +37,7 @@ from kvpubd.daemon.pipeline import RankPipeline
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.zmq_loop import new_context
 from kvpubd.protocol.auth import AuthError
-from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir
+from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir, rank_endpoint
 
 log = logging.getLogger("kvpubd")
 
@@ -64,7 +65,8 @@ class Service:
         self._start_lines = start_lines or []
         self.ready = False
         # What start-up made and shutdown removes: the endpoint lock, directories it created.
-        self._lock: EndpointLock | None = None
+        # The control endpoint's lock, then those of the ranks' ipc socket files.
+        self._locks: list[EndpointLock] = []
         self._created_dirs: list[Path] = []
         self._caps: list[ConnectionCap] = []
         self.epoch = secrets.randbits(62)
@@ -238,24 +240,35 @@ class Service:
             _attempt("zmq context", self._context.destroy)
             self._context = None
         # Last, so that no second daemon can start before this one let go of everything.
-        if self._lock is not None:
-            _attempt("endpoint lock", self._lock.release)
-            self._lock = None
+        locks, self._locks = self._locks, []
+        for lock in reversed(locks):
+            _attempt("endpoint lock", lock.release)
         remove_dirs(self._created_dirs)
         if self.ready:  # a daemon that never started does not say it stopped
             log.info("stopped")
         self._notifier.close()
 
     def _lock_endpoint(self) -> None:
+        """Lock the control endpoint and every rank's ipc socket file before anything binds:
+        one daemon per endpoint, and none takes over another's sockets."""
         endpoint = self.settings.control.endpoint
         path = lock_path(endpoint, default_runtime_dir())
-        if path is None:
-            return
-        self._created_dirs = make_parents(path)
+        events = self.settings.events
+        sockets = [
+            (f"rank {rank} {kind} endpoint", rank_endpoint(base, rank))
+            for rank in self.settings.cache.ranks
+            for kind, base in (("events", events.endpoint), ("replay", events.replay_endpoint))
+            if base
+        ]
         try:
-            self._lock = EndpointLock.acquire(endpoint, path)
+            if path is not None:
+                self._created_dirs = make_parents(path)
+                self._locks.append(EndpointLock.acquire(endpoint, path))
+            self._locks += lock_socket_files(sockets)
         except EndpointInUse as exc:
             raise StartupError(str(exc)) from None
+        except OSError as exc:  # e.g. a directory this user may not write to
+            raise StartupError(f"cannot lock an endpoint: {exc}") from None
 
     def _cap_connections(self) -> None:
         """Share the fds left after start-up (less a reserve) among the TCP listeners, so that
