@@ -107,7 +107,9 @@ def unique_prompt(blocks: int) -> list[int]:
 _ids = itertools.count()
 
 
-def store_released(client: ControlClient, tokens: list[int], rank: int = 0) -> dict[str, Any]:
+def store_released(
+    client: ControlClient, tokens: list[int], rank: int | None = None
+) -> dict[str, Any]:
     request_id = f"r{next(_ids)}"
     reply = client.store(request_id, tokens, rank=rank)
     client.release(request_id)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvpubd.protocol.config import rank_endpoint
-from kvpubd.tools.launcher import free_tcp_ports
+from kvpubd.tools.launcher import free_tcp_port_runs, free_tcp_ports
 from tests.daemon import Daemon
 from tests.mirrors import snapshot_blocks, store_released, unique_prompt
 
@@ -79,7 +79,7 @@ class Indexer:
         return json.loads(text) if text else None
 
     def register(self, daemon: Daemon) -> None:
-        for rank in range(daemon.ranks):
+        for rank in daemon.served:
             self.http(
                 "POST",
                 "/register",
@@ -125,14 +125,17 @@ def indexer(tmp_path: Path) -> Iterator[Indexer]:
 def tcp_daemon() -> Iterator[Any]:
     started: list[Daemon] = []
 
-    def start(ranks: int = 1, **events: Any) -> Daemon:
+    def start(ranks: int = 1, start_rank: int = 0, **events: Any) -> Daemon:
         # medium GPU: the indexer's scores count the device tier (CPU lands in its host tier).
         # Heartbeats on, as a router-facing daemon runs: the indexer's SUB connects after
         # /register returns, so it can miss the batches published just then; the next
         # heartbeat shows it the gap and it replays (without it, it waits forever).
         settings = {"medium": "GPU", "heartbeat_ms": 500, **events}
         daemon = Daemon(
-            {"events": settings, "cache": {"data_parallel_size": ranks}},
+            {
+                "events": settings,
+                "cache": {"data_parallel_size": ranks, "data_parallel_start_rank": start_rank},
+            },
             transport="tcp",
         )
         started.append(daemon)
@@ -149,8 +152,8 @@ def exact(indexer: Indexer, daemon: Daemon, timeout: float = FOLLOW_S) -> None:
     deadline = time.monotonic() + timeout
     with daemon.client() as client:
         while True:
-            wanted = [set(snapshot_blocks(client.snapshot(r))) for r in range(daemon.ranks)]
-            held = [indexer.blocks(r) for r in range(daemon.ranks)]
+            wanted = [set(snapshot_blocks(client.snapshot(r))) for r in daemon.served]
+            held = [indexer.blocks(r) for r in daemon.served]
             if held == wanted:
                 return
             if time.monotonic() > deadline:
@@ -180,6 +183,28 @@ def test_overlap_across_two_ranks(indexer: Indexer, tcp_daemon: Any) -> None:
         store_released(client, prompt[: 2 * BLOCK] + unique_prompt(2), rank=1)
     wait_overlap(indexer, prompt, {0: 4 * BLOCK, 1: 2 * BLOCK})
     exact(indexer, daemon)
+
+
+def test_one_daemon_per_rank(indexer: Indexer, tcp_daemon: Any) -> None:
+    """Two single-rank daemons on one pair of base ports (cache.data_parallel_start_rank 0
+    and 1), registered as one instance's dp ranks 0 and 1, as vLLM's engine ranks would be:
+    each rank is scored from its own daemon, and a reset of one daemon empties its rank only."""
+    events, replay = free_tcp_port_runs([2, 2])
+    base = {"endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    daemons = [tcp_daemon(start_rank=rank, **base) for rank in (0, 1)]
+    for daemon in daemons:
+        indexer.register(daemon)
+    prompt = unique_prompt(4)
+    with daemons[0].client() as first, daemons[1].client() as second:
+        store_released(first, prompt)
+        store_released(second, prompt[: 2 * BLOCK] + unique_prompt(2))
+        wait_overlap(indexer, prompt, {0: 4 * BLOCK, 1: 2 * BLOCK})
+        for daemon in daemons:
+            exact(indexer, daemon)
+        second.reset()
+    wait_overlap(indexer, prompt, {0: 4 * BLOCK})
+    assert indexer.blocks(1) == set()
+    exact(indexer, daemons[0])
 
 
 def test_reset_empties_the_index(indexer: Indexer, tcp_daemon: Any) -> None:
