@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from kvpubd.daemon.pool import pool_segment_name
 from kvpubd.protocol.config import Settings, load_settings, tcp_port
 from tests.daemon import Daemon
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "systemd" / "kvpubd.service"
 SYSUSERS = REPO / "systemd" / "kvpubd.sysusers"
+RANK_DROP_IN = REPO / "systemd" / "kvpubd-rank.conf"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 INSTALLED_PATH = "/opt/kvpubd/bin/kvpubd"  # where the unit and the README install it
@@ -93,6 +95,52 @@ def test_systemd_analyze_verify_passes(tmp_path: Path) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "kvpubd.service" not in output, output
+
+
+def test_rank_drop_in_gives_each_instance_its_rank_and_its_own_files() -> None:
+    """kvpubd@RANK: one rank from RANK, a runtime directory and control socket of its own (one
+    instance stopping must not remove another's), and a stop that removes only its rank's
+    pool segments."""
+    drop_in = unit_settings(RANK_DROP_IN.read_text())
+    environment = dict(
+        assignment.split("=", 1) for value in drop_in["Environment"] for assignment in value.split()
+    )
+    assert environment["KVPUBD_CACHE__DATA_PARALLEL_START_RANK"] == "%i"
+    assert environment["KVPUBD_CACHE__DATA_PARALLEL_SIZE"] == "1"
+    # Empty first: a drop-in adds to these lists unless it resets them.
+    assert drop_in["RuntimeDirectory"] == ["", "kvpubd-rank%i"]
+    assert environment["KVPUBD_CONTROL__ENDPOINT"] == "ipc:///run/kvpubd-rank%i/control.sock"
+    assert drop_in["ExecStopPost"][0] == ""
+    (cleanup,) = drop_in["ExecStopPost"][1:]
+    pattern = cleanup.split("-name ", 1)[1].split()[0]
+    for rank in (0, 1, 10):
+        mine = pool_segment_name(f"ipc:///run/kvpubd-rank{rank}/control.sock", rank)
+        theirs = pool_segment_name(f"ipc:///run/kvpubd-rank{rank + 1}/control.sock", rank + 1)
+        assert fnmatch.fnmatch(mine, pattern.replace("%i", str(rank)))
+        assert not fnmatch.fnmatch(theirs, pattern.replace("%i", str(rank)))
+
+
+@pytest.mark.skipif(tool("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_passes_for_a_rank_instance(tmp_path: Path) -> None:
+    """The unit installed as the template kvpubd@.service with the rank drop-in: instance 3
+    verifies, and systemd reads every line of the drop-in."""
+    kvpubd = tool("kvpubd")
+    assert kvpubd is not None
+    (tmp_path / "kvpubd@.service").write_text(UNIT.read_text().replace(INSTALLED_PATH, kvpubd))
+    drop_ins = tmp_path / "kvpubd@.service.d"
+    drop_ins.mkdir()
+    (drop_ins / "rank.conf").write_text(RANK_DROP_IN.read_text())
+    (tmp_path / "kvpubd@3.service").symlink_to("kvpubd@.service")
+    result = subprocess.run(
+        [str(tool("systemd-analyze")), "verify", "kvpubd@3.service"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "kvpubd@" not in output and "rank.conf" not in output, output
 
 
 # -- Docker -------------------------------------------------------------------------------------
