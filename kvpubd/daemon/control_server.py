@@ -31,6 +31,10 @@ log = logging.getLogger("kvpubd")
 
 # Requests handled per reader wake-up before the loop gets a turn (drain ticks, replays).
 CONTROL_BURST = 64
+# Plain ints: pyzmq's send_multipart combines its flag enums per frame, which costs more than
+# the three sends themselves.
+_REPLY_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_REPLY_LAST = int(zmq.NOBLOCK)
 
 # Bytes now, or bytes or a buffer to come (a store done in slices, sent the moment it finishes;
 # a snapshot built across loop turns, sent without a copy).
@@ -151,11 +155,12 @@ class ControlServer:
     def _send(self, identity: bytes, reply: Any) -> None:
         if self._sock is None:
             return
+        send = self._sock.send
         try:
+            send(identity, _REPLY_MORE)
+            send(b"", _REPLY_MORE)
             # Large replies (snapshots) go without a copy.
-            self._sock.send_multipart(
-                [identity, b"", reply], zmq.NOBLOCK, copy=isinstance(reply, bytes)
-            )
+            send(reply, _REPLY_LAST, copy=isinstance(reply, bytes))
         except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
             log.debug("control: reply dropped: %s", exc)
 

@@ -7,6 +7,7 @@ under another adapter or salt never share blocks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from hashlib import sha256
 from typing import Literal
@@ -21,6 +22,7 @@ TOKEN_DTYPE = np.dtype("<u4")
 MAX_TOKEN_ID = (1 << 32) - 1
 
 
+@functools.lru_cache(maxsize=4096)  # a few adapters and salts serve most requests
 def root_key(lora_id: int | None, cache_salt: str | None) -> bytes:
     return sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
 
