@@ -25,7 +25,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpubd.protocol.wire import BatchEncoder, BlockStored, decode_batch
+from kvpubd.protocol.wire import BatchEncoder, BlockStored, Event, decode_batch
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 
@@ -533,6 +533,22 @@ def test_strict_vllm_decoders_accept_a_heartbeat(
     assert replayed[seq_frame] == payload
 
 
+def stores_of_arrays(arrays: list[np.ndarray]) -> list[Event]:
+    """One BlockStored per array, the array itself as its token ids (as the sink hands them)."""
+    return [
+        BlockStored(
+            block_hashes=[i],
+            parent_block_hash=None,
+            token_ids=a,  # type: ignore[arg-type]
+            block_size=1,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        for i, a in enumerate(arrays)
+    ]
+
+
 @given(
     batches=st.lists(
         st.lists(
@@ -556,19 +572,7 @@ def test_one_encoder_writes_every_batch_of_token_arrays_exactly(
     for arrays in batches:
         if narrow:
             arrays = [(a % 65536).astype(np.uint16) for a in arrays]
-        events = [
-            BlockStored(
-                block_hashes=[i],
-                parent_block_hash=None,
-                token_ids=a,  # type: ignore[arg-type]
-                block_size=1,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-            )
-            for i, a in enumerate(arrays)
-        ]
-        payload = encoder.encode(1.0, events)
+        payload = encoder.encode(1.0, stores_of_arrays(arrays))
         decoded = decode_batch(payload).events
         assert [e.token_ids for e in decoded] == [a.tolist() for a in arrays]  # type: ignore[union-attr]
         assert [e["token_ids"] for e in msgpack.unpackb(payload)[1]] == [a.tolist() for a in arrays]
@@ -579,18 +583,6 @@ def test_an_array_longer_than_a_16_bit_header_holds_is_written_whole() -> None:
     take the 32-bit form, and the shorter array beside it must still read back exactly."""
     long = (np.arange(70_000) % 1000).astype(np.uint32)
     short = np.arange(5, dtype=np.uint32)
-    events = [
-        BlockStored(
-            block_hashes=[i],
-            parent_block_hash=None,
-            token_ids=a,  # type: ignore[arg-type]
-            block_size=1,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
-        for i, a in enumerate((short, long, short))
-    ]
-    payload = BatchEncoder("map", 0).encode(1.0, events)
+    payload = BatchEncoder("map", 0).encode(1.0, stores_of_arrays([short, long, short]))
     decoded = msgpack.unpackb(payload)[1]
     assert [e["token_ids"] for e in decoded] == [short.tolist(), long.tolist(), short.tolist()]
