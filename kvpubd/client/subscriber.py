@@ -322,7 +322,8 @@ class _Base(Generic[ContextT, ControlT]):
 
 
 class Subscriber(_Base[SyncContext, ControlClient]):
-    """Keeps a mirror of ``ranks`` (a count, or a list of rank numbers) of one daemon.
+    """Keeps a mirror of ``ranks`` (a count, or a list of rank numbers) of one daemon, or of
+    single-rank daemons sharing base endpoints (``cache.data_parallel_start_rank``).
 
     ``receive(timeout)`` returns the batches applied meanwhile, in seq order per rank;
     ``catch_up()`` also asks replay for anything published since the last seq; iterating
