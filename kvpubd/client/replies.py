@@ -258,10 +258,9 @@ def store(
     cache_salt: str | None = None,
 ) -> Call[StoreReply]:
     """Store a prompt on ``rank`` (default: the daemon's first rank) and pin its blocks until
-    ``release(request_id)``. The
-    longest cached prefix is reused; ``lora_id``/``lora_name`` and ``cache_salt`` separate
-    prompts that must not share blocks. A NumPy array of token ids travels as packed uint32
-    bytes (the fast form)."""
+    ``release(request_id)``. The longest cached prefix is reused; ``lora_id``/``lora_name``
+    and ``cache_salt`` separate prompts that must not share blocks. A NumPy array of token ids
+    travels as packed uint32 bytes (the fast form)."""
     tokens: list[int] | bytes
     if isinstance(token_ids, np.ndarray):
         tokens = token_ids.astype("<u4").tobytes()  # the fast form: no per-token decoding
