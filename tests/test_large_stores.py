@@ -127,3 +127,53 @@ def test_reset_behind_a_large_store_is_answered_first_and_the_stream_stays_exact
             client.release("r")
     finally:
         sub.close()
+
+
+def test_release_sent_right_behind_a_large_store_releases_it(
+    large_daemon: Daemon, dealer: zmq.Socket
+) -> None:
+    """A client that pipelines store and release (as engines and the load generator do) gets
+    the release applied once the store is done, answered right after it: nothing stays
+    pinned. A second release of the same request then finds it no longer open."""
+    replies = send_all(
+        dealer,
+        {"op": "store", "id": "store", "request_id": "r", "token_ids": prompt(LARGE, 5)},
+        {"op": "release", "id": "release", "request_id": "r"},
+        {"op": "release", "id": "again", "request_id": "r"},
+        daemon=large_daemon,
+    )
+    assert [r["id"] for r in replies] == ["store", "release", "again"], replies
+    store, release, again = replies
+    assert store["ok"] and release["ok"], replies
+    assert release["released"] == LARGE and release["rank"] == 0
+    assert again["error"]["code"] == "unknown_request"
+    with large_daemon.client() as client:
+        rank = client.stats().ranks[0]
+        assert (rank.blocks_pinned, rank.requests_open, rank.blocks_cached) == (0, 0, LARGE)
+
+
+def test_release_of_a_queued_store_that_fails_is_refused(
+    start_daemon: DaemonFactory,
+) -> None:
+    """A store that cannot be done (more blocks than the pool) behind a large one fails; the
+    release sent behind it is refused as not open, after the store's refusal."""
+    daemon = start_daemon(cache={"num_blocks": LARGE + 16})
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.control_endpoint)
+    try:
+        replies = send_all(
+            sock,
+            {"op": "store", "id": "big", "request_id": "big", "token_ids": prompt(LARGE, 6)},
+            {"op": "store", "id": "more", "request_id": "more", "token_ids": prompt(64, 7)},
+            {"op": "release", "id": "release", "request_id": "more"},
+            daemon=daemon,
+        )
+    finally:
+        sock.close()
+        context.term()
+    assert [r["id"] for r in replies] == ["big", "more", "release"], replies
+    assert replies[0]["ok"]
+    assert replies[1]["error"]["code"] == "pool_exhausted"
+    assert replies[2]["error"]["code"] == "unknown_request"

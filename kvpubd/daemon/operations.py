@@ -174,10 +174,10 @@ class Operations:
             request.request_id, tokens, request.lora_id, request.lora_name, request.cache_salt
         )
 
-    def release(self, request: Release) -> dict[str, Any]:
+    def release(self, request: Release) -> dict[str, Any] | Pending[dict[str, Any]]:
         for pipeline in self.pipelines:
             if pipeline.has_request(request.request_id):
-                return {"rank": pipeline.rank, "released": pipeline.release(request.request_id)}
+                return pipeline.release(request.request_id)
         raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
 
     def reset(self, request: Reset) -> dict[str, Any]:

@@ -127,8 +127,30 @@ class RankPipeline:
         block_ids, cached = result
         return {"rank": self.rank, "block_ids": block_ids, "num_cached_tokens": cached}
 
-    def release(self, request_id: str | int) -> int:
-        return self.cache.release(request_id)
+    def release(self, request_id: str | int) -> dict[str, Any] | Pending[dict[str, Any]]:
+        """The release's reply fields; for a store still under way (a large one, or one
+        queued behind it), those to come once it is done, answered right after the store: a
+        client that sends store and release back to back never leaves blocks pinned."""
+        store = self._stores.result_of(request_id)
+        if store is None:
+            return self._released(request_id)
+        released: Pending[dict[str, Any]] = Pending()
+
+        def after_store(_: StoreResult | None, error: BaseException | None) -> None:
+            if isinstance(error, asyncio.CancelledError):
+                released.fail(error)
+                return
+            try:
+                # A store that failed opened nothing: the release finds nothing open.
+                released.resolve(self._released(request_id))
+            except CacheError as exc:
+                released.fail(exc)
+
+        store.then(after_store)
+        return released
+
+    def _released(self, request_id: str | int) -> dict[str, Any]:
+        return {"rank": self.rank, "released": self.cache.release(request_id)}
 
     def reset(self) -> int | None:
         """Clear the cache and publish the marker at once, after everything captured before

@@ -50,7 +50,14 @@ class StoreQueue:
         return bool(self._queue)
 
     def holds(self, request_id: RequestId) -> bool:
-        return any(item.request_id == request_id for item in self._queue)
+        return self.result_of(request_id) is not None
+
+    def result_of(self, request_id: RequestId) -> Pending[StoreResult] | None:
+        """The result to come of the store of ``request_id`` under way or queued, if any."""
+        for item in self._queue:
+            if item.request_id == request_id:
+                return item.result
+        return None
 
     def submit(
         self,
