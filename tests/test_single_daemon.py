@@ -228,3 +228,28 @@ def test_failed_start_leaves_no_directory_and_logs_no_stopped(tmp_path: Path) ->
     assert not list(
         Path("/dev/shm").glob(pool_segment_name(f"ipc://{control_dir}/control.sock", 0))
     )
+
+
+def test_a_symlink_where_a_socket_lock_goes_is_refused_and_its_target_untouched(
+    tmp_path: Path,
+) -> None:
+    """An events socket in a directory others can write to: a symlink planted where its lock
+    file goes stops the start with one line, and the file it points to keeps its content (the
+    lock's pid write would have truncated it)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (shared / "events_dp0.lock").symlink_to(victim)
+    daemon = Daemon({"events": {"endpoint": f"ipc://{shared}/events"}})
+    try:
+        write_config(daemon.config_path, daemon.settings)
+        result = serve(daemon.config_path)
+        assert result.returncode == 1, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvpubd: cannot start: cannot lock"), lines
+        assert "events_dp0.lock" in lines[0]
+        assert victim.read_text() == "precious\n"
+        assert not (shared / "events_dp0").exists()
+    finally:
+        daemon.cleanup()

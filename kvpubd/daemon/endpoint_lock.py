@@ -70,7 +70,9 @@ class EndpointLock:
     def acquire(cls, endpoint: str, path: Path, what: str = "control endpoint") -> EndpointLock:
         """Take the lock at ``path``; EndpointInUse naming the holder's pid if another has it."""
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # O_NOFOLLOW: in a shared directory (an events socket in /tmp), a symlink put
+            # where the lock goes must not make the pid write truncate someone's file.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
