@@ -15,8 +15,9 @@ import pytest
 
 from kvpubd.client import ControlError, map_pool
 from kvpubd.daemon.kernels import gpu_available, numpy_checksum
+from kvpubd.daemon.pool import pool_segment_name
 from tests.conftest import DaemonFactory
-from tests.daemon import wait_for
+from tests.daemon import Daemon, wait_for
 from tests.streams import prompt
 
 DEVICES = [
@@ -184,3 +185,47 @@ def test_restart_replaces_a_segment_left_by_a_killed_process_group(
     assert "removed stale shared memory segment" in daemon.log()
     assert daemon.stop() == 0
     assert not path.exists()
+
+
+def test_an_empty_stale_segment_of_ours_is_replaced() -> None:
+    """A segment of ours left empty (a run killed while creating it) under the pool's name:
+    the start replaces it (mapping it would fail) and the pool keeps its name."""
+    daemon = Daemon()
+    try:
+        name = pool_segment_name(daemon.control_endpoint, 0)
+        shm_path(name).touch()
+        daemon.start()
+        with daemon.client() as client:
+            assert client.pool_info().name == name
+        assert shm_path(name).stat().st_size > 0
+        assert "removed stale shared memory segment" in daemon.log()
+        assert daemon.stop() == 0
+        assert not shm_path(name).exists()
+    finally:
+        daemon.cleanup()
+        shm_path(pool_segment_name(daemon.control_endpoint, 0)).unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_another_users_segment_under_the_pools_name_does_not_stop_the_start() -> None:
+    """Segment names are predictable and /dev/shm is shared: another user who takes the name
+    first gets nothing from it. The daemon leaves that segment alone, says so, and puts its
+    pool under a fresh name, which pool_info reports."""
+    daemon = Daemon()
+    name = pool_segment_name(daemon.control_endpoint, 0)
+    squatted = shm_path(name)
+    try:
+        squatted.write_bytes(b"theirs")
+        os.chown(squatted, 65534, 65534)
+        daemon.start()
+        with daemon.client() as client:
+            fresh = client.pool_info().name
+            assert fresh != name and shm_path(fresh).exists()
+            client.store("a", prompt(4, 1))
+        assert f"shared memory segment {name} belongs to uid 65534" in daemon.log()
+        assert squatted.read_bytes() == b"theirs" and squatted.stat().st_uid == 65534
+        assert daemon.stop() == 0
+        assert not shm_path(fresh).exists()
+    finally:
+        daemon.cleanup()
+        squatted.unlink(missing_ok=True)

@@ -138,12 +138,7 @@ class HostPool(BlockPool):
         try:
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         except FileExistsError:
-            # Left by a daemon on the same control endpoint that died with its resource
-            # tracker (a kill of the whole process group); the caller made sure none runs.
-            stale = shared_memory.SharedMemory(name=name)
-            stale.close()
-            stale.unlink()
-            log.warning("removed stale shared memory segment %s", name)
+            name = _replace_stale_segment(name)
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         try:
             reserve_pages(self._shm._fd, size, what)  # type: ignore[attr-defined]
@@ -284,6 +279,32 @@ def reserve_pages(fd: int, size: int, what: str, directory: Path = SHM_DIR) -> N
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
+
+
+def _replace_stale_segment(name: str) -> str:
+    """The name to create a pool under when segment ``name`` exists already. Ours: left by a
+    daemon on the same control endpoint that died with its resource tracker (a kill of the
+    whole process group; the caller made sure none runs), so it is removed and the name
+    reused. Another user's (its name is predictable, and /dev/shm is shared): left alone, and
+    a fresh random name is used instead, so that squatting the name cannot stop the start."""
+    path = SHM_DIR / name
+    try:
+        owner = path.lstat().st_uid
+    except FileNotFoundError:
+        return name  # gone meanwhile
+    if owner == os.getuid():
+        # By path: opening it would map it, which fails for an empty or truncated segment.
+        path.unlink(missing_ok=True)
+        log.warning("removed stale shared memory segment %s", name)
+        return name
+    fresh = f"kvpubd-{os.getpid()}-{secrets.token_hex(6)}"
+    log.warning(
+        "shared memory segment %s belongs to uid %d, not this user: left alone, the pool is %s",
+        name,
+        owner,
+        fresh,
+    )
+    return fresh
 
 
 def pool_segment_name(control_endpoint: str, rank: int) -> str:
