@@ -6,6 +6,7 @@ failed start leaves no directory behind and does not log `stopped`."""
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import signal
 import subprocess
@@ -253,3 +254,42 @@ def test_a_symlink_where_a_socket_lock_goes_is_refused_and_its_target_untouched(
         assert not (shared / "events_dp0").exists()
     finally:
         daemon.cleanup()
+
+
+@pytest.mark.parametrize("made_by", ["this user, writable by all", "another user"])
+def test_a_runtime_directory_others_control_is_refused(tmp_path: Path, made_by: str) -> None:
+    """The default runtime directory's name is predictable (/tmp/kvpubd-<uid> without
+    XDG_RUNTIME_DIR): one that someone else made first, or that others may write to, could
+    have the control socket swapped under the daemon. The start stops with one line naming
+    it, before anything is bound or written there."""
+    if made_by == "another user" and os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    runtime = tmp_path / "xdg" / "kvpubd"
+    runtime.mkdir(parents=True)
+    if made_by == "another user":
+        runtime.chmod(0o700)
+        os.chown(runtime, 65534, 65534)
+        problem = "belongs to uid 65534, not this user"
+    else:
+        runtime.chmod(0o777)
+        problem = "may be written by others (mode 777)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUBD_")}
+    env.update(
+        XDG_RUNTIME_DIR=str(tmp_path / "xdg"),
+        KVPUBD_EVENTS__ENDPOINT=f"ipc://{tmp_path}/events",
+        KVPUBD_EVENTS__REPLAY_ENDPOINT=f"ipc://{tmp_path}/replay",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpubd", "serve"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"kvpubd: cannot start: runtime directory {runtime} {problem}: remove it, or set "
+        "XDG_RUNTIME_DIR or control.endpoint"
+    ]
+    assert list(runtime.iterdir()) == []
+    assert not any(tmp_path.glob("events*"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,29 @@ class EndpointInUse(RuntimeError):
         owner = f" (pid {pid})" if pid is not None else ""
         super().__init__(f"{what} {endpoint} is in use by a running daemon{owner}")
         self.pid = pid
+
+
+class UnsafeDirectory(RuntimeError):
+    """A directory whose name others can predict is not this user's alone."""
+
+
+def check_owner_only(directory: Path) -> None:
+    """Raise UnsafeDirectory unless ``directory`` is a directory of this user that no one else
+    may write to. The default runtime directory's name is predictable (/tmp/kvpubd-<uid>): a
+    user who made it first could replace the control socket in it with their own."""
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory (a symlink?)"
+    elif info.st_uid != os.getuid():
+        problem = f"belongs to uid {info.st_uid}, not this user"
+    elif info.st_mode & 0o022:
+        problem = f"may be written by others (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        return
+    raise UnsafeDirectory(
+        f"runtime directory {directory} {problem}: remove it, or set XDG_RUNTIME_DIR or "
+        "control.endpoint"
+    )
 
 
 def ipc_path(endpoint: str) -> Path | None:

@@ -25,6 +25,8 @@ from kvpubd.daemon.control_server import ControlServer, StartupError
 from kvpubd.daemon.endpoint_lock import (
     EndpointInUse,
     EndpointLock,
+    UnsafeDirectory,
+    check_owner_only,
     lock_path,
     lock_socket_files,
     make_parents,
@@ -263,9 +265,11 @@ class Service:
         try:
             if path is not None:
                 self._created_dirs = make_parents(path)
+                if path.parent == default_runtime_dir():
+                    check_owner_only(path.parent)
                 self._locks.append(EndpointLock.acquire(endpoint, path))
             self._locks += lock_socket_files(sockets)
-        except EndpointInUse as exc:
+        except (EndpointInUse, UnsafeDirectory) as exc:
             raise StartupError(str(exc)) from None
         except OSError as exc:  # e.g. a directory this user may not write to
             raise StartupError(f"cannot lock an endpoint: {exc}") from None
