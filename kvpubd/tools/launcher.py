@@ -152,18 +152,17 @@ class DaemonProcess:
             events, replay, control = free_tcp_port_runs([self.ranks, self.ranks, 1])
             # Each rank binds the base port plus its rank: the run starts at the first rank's.
             first = self.served[0]
-            self.events_endpoint = f"tcp://127.0.0.1:{events - first}"
-            self.replay_endpoint = f"tcp://127.0.0.1:{replay - first}"
-            self.control_endpoint = f"tcp://127.0.0.1:{control}"
+            picked = {
+                ("events", "endpoint"): f"tcp://127.0.0.1:{events - first}",
+                ("events", "replay_endpoint"): f"tcp://127.0.0.1:{replay - first}",
+                ("control", "endpoint"): f"tcp://127.0.0.1:{control}",
+            }
         else:
-            self.events_endpoint = f"ipc://{self.dir}/events"
-            self.replay_endpoint = f"ipc://{self.dir}/replay"
-            self.control_endpoint = f"ipc://{self.dir}/control"
-        picked = {
-            ("events", "endpoint"): self.events_endpoint,
-            ("events", "replay_endpoint"): self.replay_endpoint,
-            ("control", "endpoint"): self.control_endpoint,
-        }
+            picked = {
+                ("events", "endpoint"): f"ipc://{self.dir}/events",
+                ("events", "replay_endpoint"): f"ipc://{self.dir}/replay",
+                ("control", "endpoint"): f"ipc://{self.dir}/control",
+            }
         for (section, key), endpoint in picked.items():
             if (section, key) not in self._chosen:
                 self.settings[section][key] = endpoint
