@@ -72,13 +72,18 @@ def bind_ipc_safely(sock: zmq.Socket, endpoint: str) -> None:
             os.chdir(cwd)
 
 
+def _beside(socket_file: Path) -> Path:
+    """The lock file of an ipc socket file: next to it (``control.sock.lock``)."""
+    return socket_file.with_name(socket_file.name + ".lock")
+
+
 def lock_path(endpoint: str, runtime_dir: Path) -> Path | None:
     """Where the lock of ``endpoint`` lives; None for inproc (one process, nothing to share)."""
     if endpoint.startswith("inproc://"):
         return None
     path = ipc_path(endpoint)
     if path is not None:
-        return path.with_name(path.name + ".lock")
+        return _beside(path)
     digest = hashlib.sha256(endpoint.encode()).hexdigest()[:16]
     return runtime_dir / f"control-{digest}.lock"
 
@@ -138,8 +143,7 @@ def lock_socket_files(endpoints: list[tuple[str, str]]) -> list[EndpointLock]:
         for what, endpoint in endpoints:
             path = ipc_path(endpoint)
             if path is not None and path.parent.is_dir():
-                lock_file = path.with_name(path.name + ".lock")
-                locks.append(EndpointLock.acquire(endpoint, lock_file, what))
+                locks.append(EndpointLock.acquire(endpoint, _beside(path), what))
     except BaseException:
         for lock in locks:
             lock.release()
