@@ -3,7 +3,7 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput|publisher|paced|ranks|ranks-apart
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart
 # The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
 # .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
 set -uo pipefail
@@ -22,8 +22,10 @@ case "${1:-}" in
          $K bench reset --sizes 0,1000000 --resets 200 --device cuda:0 --json > "$OUT/reset-cuda.json" ;;
   under) $K bench reset --under "$2" --sizes 1000000 --resets "${3:-100}" --json > "$OUT/under-$2.json" ;;
   throughput) $K bench throughput --json > "$OUT/throughput.json" ;;
+  # publisher [DECODERS [ROUNDS]]: decoding processes per stream (1: the decoder sets the rate)
   publisher) KVPUBD_VLLM_KV_EVENTS=${KVPUBD_VLLM_KV_EVENTS:-.devvllm/kv_events.py} \
-                 $K bench publisher --against-vllm --json > "$OUT/publisher.json" ;;
+                 $K bench publisher --against-vllm --decoders "${2:-1}" --rounds "${3:-7}" --json \
+                 > "$OUT/publisher-d${2:-1}.json" ;;
   paced) $K bench throughput --load-fraction 0.5 --load-fraction 0.9 --resets 100 --json \
              > "$OUT/paced.json" ;;
   ranks) for r in 1 2 4 8; do $K bench throughput --ranks "$r" --json > "$OUT/ranks-$r.json"; done ;;
@@ -32,6 +34,6 @@ case "${1:-}" in
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
                      --json > "$OUT/ranks-apart-$r.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput|publisher|paced|ranks|ranks-apart" >&2
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart" >&2
      exit 2 ;;
 esac

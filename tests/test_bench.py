@@ -98,8 +98,15 @@ def test_bench_against_vllm_is_skipped_cleanly_without_its_file(tmp_path: Path) 
 
 
 @pytest.mark.skipif(not kv_events_path().is_file(), reason="vLLM's kv_events.py not extracted")
-def test_bench_against_vllm_decodes_both_streams_with_vllms_types() -> None:
-    result = bench("publisher", "--against-vllm", "--batches", "20", "--rounds", "1")
+@pytest.mark.parametrize("decoders", [1, 3])
+def test_bench_against_vllm_decodes_both_streams_with_vllms_types(decoders: int) -> None:
+    # The bench itself checks that the decoders of a stream decoded every block once between
+    # them, and that each received every batch; a miscount fails the run.
+    result = bench(
+        "publisher", "--against-vllm", "--batches", "20", "--rounds", "2",
+        "--decoders", str(decoders),
+    )  # fmt: skip
+    assert result["decoders"] == decoders
     assert result["kvpubd_blocks_per_s"] > 0 and result["vllm_blocks_per_s"] > 0
     assert result["kvpubd_cpu_us_per_block"] > 0 and result["vllm_cpu_us_per_block"] > 0
     assert all(0 < busy <= 1 for busy in result["decoder_busy"].values())

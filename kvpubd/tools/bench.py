@@ -883,6 +883,14 @@ def bench_publisher(
             "~/.cache/kvpubd/vllm/kv_events.py (see `kvpubd bench vllm-extract`).",
         ),
     ] = False,
+    decoders: Annotated[
+        int,
+        typer.Option(
+            help="With --against-vllm: decoding processes per stream, sharing its batches "
+            "(one decodes each batch). One process decodes more slowly than either publisher "
+            "publishes; with enough of them the publishers set the rate.",
+        ),
+    ] = 1,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -894,10 +902,11 @@ def bench_publisher(
         ("--batches", batches),
         ("--events-per-batch", events_per_batch),
         ("--rounds", rounds),
+        ("--decoders", decoders),
     ):
         check_positive(option, value, integer=True)
     if against_vllm:
-        _bench_against_vllm(batches, rounds, as_json)
+        _bench_against_vllm(batches, rounds, decoders, as_json)
         return
     with err.status(f"publishing {rounds} x {batches} batches, ours and the floor"):
         result = measure_publisher(batches, events_per_batch, rounds)
@@ -915,7 +924,7 @@ def bench_publisher(
     Console().print(table)
 
 
-def _bench_against_vllm(batches: int, rounds: int, as_json: bool) -> None:
+def _bench_against_vllm(batches: int, rounds: int, decoders: int, as_json: bool) -> None:
     from kvpubd.tools import vllm_peer
 
     path = vllm_peer.kv_events_path()
@@ -929,16 +938,16 @@ def _bench_against_vllm(batches: int, rounds: int, as_json: bool) -> None:
             typer.echo(json.dumps({"skipped": reason}))
         return
     with err.status(f"{rounds} alternating rounds of {batches} batches, kvpubd and vLLM"):
-        result = vllm_peer.measure_against_vllm(batches, rounds, path)
+        result = vllm_peer.measure_against_vllm(batches, rounds, path, decoders)
     if as_json:
         typer.echo(json.dumps(result))
         return
     table = Table(
         title=f"publisher vs vLLM's ZmqEventPublisher: {batches} batches of {result['batch']}, "
-        f"median of {rounds}",
+        f"median of {rounds}, {decoders} decoding process(es) per stream",
         caption="blocks/s from the first publish to the last decode (vLLM's KVEventBatch); "
-        "decoder busy: share of a round its decoding process spent decoding (near 100 %: the "
-        "decoder, not the publisher, set the rate)",
+        "decoder busy: share of a round the busiest decoding process spent decoding (near "
+        "100 %: the decoders, not the publisher, set the rate; add --decoders)",
     )
     for column in (
         "kvpubd blocks/s",

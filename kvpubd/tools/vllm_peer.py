@@ -40,7 +40,7 @@ WHEEL_MEMBER = "vllm/distributed/kv_events.py"
 EVENTS_PER_BATCH = 8
 BLOCKS_PER_EVENT = 16
 BLOCK_SIZE = 16
-WARMUP_TS = -1.0  # batches with this ts only prove a subscriber is connected
+WARMUP_TS = -1.0  # marks the batches that only prove a subscriber is connected
 
 
 def kv_events_path() -> Path:
@@ -189,10 +189,12 @@ def vllm_batches(kv: types.ModuleType, content: list[BatchContent]) -> list[list
 # -- the decoding subscribers --------------------------------------------------------------
 
 
-def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any) -> None:
-    """Decode every batch with vLLM's ``KVEventBatch``; per round, count BlockStored blocks
-    until the expected number arrived and answer (time of the last decode, blocks, CPU
-    seconds spent decoding)."""
+def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any, part: int, parts: int) -> None:
+    """Receive every batch and decode, with vLLM's ``KVEventBatch``, the share of them this
+    process is given: the batches whose place in the round is ``part`` modulo ``parts``, so
+    ``parts`` such processes decode each batch exactly once between them. Per round, answer
+    (time of the last decode, BlockStored blocks decoded, CPU seconds spent decoding, batches
+    received)."""
     import msgspec
 
     kv = load_kv_events(Path(kv_path))
@@ -206,68 +208,104 @@ def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any) -> None:
         command = pipe.recv()
         if command is None:
             break
-        expected, blocks, last = command, 0, 0.0
+        first_seq, batches = command
+        end_seq = first_seq + batches
         pipe.send("armed")
-        cpu = 0.0
-        while blocks < expected:
+        blocks, received, cpu, last = 0, 0, 0.0, 0.0
+        while received < batches:
             frames = sub.recv_multipart()
-            started = time.thread_time()
-            batch = decoder.decode(frames[2])
-            if batch.ts == WARMUP_TS:
+            seq = int.from_bytes(frames[1], "big")
+            if not first_seq <= seq < end_seq:
+                continue  # a warm-up batch still on its way
+            received += 1
+            if (seq - first_seq) % parts != part:
                 continue
-            for event in batch.events:
+            started = time.thread_time()
+            for event in decoder.decode(frames[2]).events:
                 if type(event) is stored:
                     blocks += len(event.block_hashes)
             last = time.monotonic()
             cpu += time.thread_time() - started
-        pipe.send((last, blocks, cpu))
+        pipe.send((last, blocks, cpu, received))
     sub.close(linger=0)
     ctx.term()
 
 
 class _Side:
-    """One publisher and the process that decodes its stream."""
+    """One publisher and the processes that decode its stream."""
 
-    def __init__(self, name: str, endpoint: str, kv_path: Path, publish: Any, warmup: Any) -> None:
+    def __init__(
+        self, name: str, endpoint: str, kv_path: Path, publish: Any, warmup: Any, decoders: int
+    ) -> None:
         spawn = multiprocessing.get_context("spawn")
         self.name = name
-        self.publish = publish
-        self.pipe, child = spawn.Pipe()
-        self.process = spawn.Process(
-            target=_decoding_subscriber, args=(str(kv_path), endpoint, child), daemon=True
-        )
-        self.process.start()
+        self._publish = publish
+        self._warmup = warmup
+        self.published = 0  # seqs of both publishers count batches from 0
+        self.pipes = []
+        self.processes = []
+        for part in range(decoders):
+            pipe, child = spawn.Pipe()
+            process = spawn.Process(
+                target=_decoding_subscriber,
+                args=(str(kv_path), endpoint, child, part, decoders),
+                daemon=True,
+            )
+            process.start()
+            self.pipes.append(pipe)
+            self.processes.append(process)
         deadline = time.monotonic() + 60
-        while not self.pipe.poll(0.01):
-            warmup()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name}: the decoding subscriber never received a batch")
-        self.pipe.recv()
+        for pipe in self.pipes:
+            while not pipe.poll(0.01):
+                self._warmup()
+                self.published += 1
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: a decoding subscriber never received a batch")
+            pipe.recv()
 
     def round(self, batches: list[Any], blocks: int) -> tuple[float, float, float]:
         """(blocks/s delivered, publisher CPU seconds per block, share of the round the
-        decoder spent decoding). This process runs nothing but the publisher during a round
-        (vLLM's publisher thread included), so its CPU time is the publisher's cost, whatever
-        else shares the machine. A decoder busy for nearly the whole round is what bounds the
-        delivered rate, not the publisher."""
-        self.pipe.send(blocks)
-        self.pipe.recv()  # armed
+        busiest decoder spent decoding). This process runs nothing but the publisher during a
+        round (vLLM's publisher thread included), so its CPU time is the publisher's cost,
+        whatever else shares the machine. A decoder busy for nearly the whole round is what
+        bounds the delivered rate, not the publisher."""
+        for pipe in self.pipes:
+            pipe.send((self.published, len(batches)))
+        for pipe in self.pipes:
+            pipe.recv()  # armed
         cpu = time.process_time()
         start = time.monotonic()
         for batch in batches:
-            self.publish(batch)
-        last, got, decoding = self.pipe.recv()
+            self._publish(batch)
+        self.published += len(batches)
+        answers = [_answer(pipe, self.name) for pipe in self.pipes]
         cpu = time.process_time() - cpu
+        last = max(answer[0] for answer in answers)
+        got = sum(answer[1] for answer in answers)
         assert got == blocks, (self.name, got, blocks)
-        return blocks / (last - start), cpu / blocks, decoding / (last - start)
+        assert all(answer[3] == len(batches) for answer in answers), (self.name, answers)
+        busiest = max(answer[2] for answer in answers)
+        return blocks / (last - start), cpu / blocks, busiest / (last - start)
 
     def close(self) -> None:
-        self.pipe.send(None)
-        self.process.join(10)
+        for pipe, process in zip(self.pipes, self.processes, strict=True):
+            pipe.send(None)
+            process.join(10)
 
 
-def measure_against_vllm(batches: int, rounds: int, kv_path: Path | None = None) -> dict[str, Any]:
-    """Alternating rounds of ``batches`` batches through vLLM's ZmqEventPublisher and ours."""
+def _answer(pipe: Any, name: str, timeout_s: float = 300) -> tuple[float, int, float, int]:
+    if not pipe.poll(timeout_s):
+        raise TimeoutError(f"{name}: a decoding subscriber did not finish its round")
+    return pipe.recv()
+
+
+def measure_against_vllm(
+    batches: int, rounds: int, kv_path: Path | None = None, decoders: int = 1
+) -> dict[str, Any]:
+    """Alternating rounds of ``batches`` batches through vLLM's ZmqEventPublisher and ours,
+    each stream decoded by ``decoders`` processes that share its batches between them (one
+    process decodes more slowly than either publisher publishes: with one, the decoder is
+    measured as much as the publisher)."""
     import zmq
 
     from kvpubd.daemon.publisher import Publisher
@@ -290,6 +328,7 @@ def measure_against_vllm(batches: int, rounds: int, kv_path: Path | None = None)
                 kv_path,
                 lambda events: publisher.publish(events),
                 lambda: publisher.publish([], WARMUP_TS),
+                decoders,
             ),
             _Side(
                 "vllm",
@@ -297,6 +336,7 @@ def measure_against_vllm(batches: int, rounds: int, kv_path: Path | None = None)
                 kv_path,
                 lambda events: peer.publish(batch_type(ts=time.time(), events=events)),
                 lambda: peer.publish(batch_type(ts=WARMUP_TS, events=[])),
+                decoders,
             ),
         ]
         rates: dict[str, list[float]] = {"kvpubd": [], "vllm": []}
@@ -330,6 +370,7 @@ def measure_against_vllm(batches: int, rounds: int, kv_path: Path | None = None)
         "cpu_ratio": round(theirs_cpu / ours_cpu, 3),
         # Near 1: that stream's decoding process, not its publisher, set the delivered rate.
         "decoder_busy": {k: round(float(np.median(v)), 3) for k, v in decoder_busy.items()},
+        "decoders": decoders,
         "rounds": rounds,
         "batches": batches,
         "batch": f"{EVENTS_PER_BATCH} BlockStored x {BLOCKS_PER_EVENT} blocks x "
