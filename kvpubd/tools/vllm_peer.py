@@ -9,8 +9,10 @@ for: ``$KVPUBD_VLLM_KV_EVENTS``, else ``~/.cache/kvpubd/vllm/kv_events.py``. To 
     pip download 'vllm==0.33.0' --no-deps -d /tmp/vllm-wheel
     kvpubd bench vllm-extract /tmp/vllm-wheel/vllm-0.33.0-*.whl
 
-Each stream is decoded in a process of its own by vLLM's ``KVEventBatch`` msgspec type; a
-round's rate is its blocks over the time from the first publish to the last decode.
+Each stream is decoded by vLLM's ``KVEventBatch`` msgspec type in other processes: its one
+subscriber decodes every batch, or (``decoders`` > 1) hands the batches out to that many
+decoding processes, so that decoding does not set the rate. A round's rate is its blocks over
+the time from the first publish to the last decode.
 """
 
 from __future__ import annotations
@@ -189,79 +191,156 @@ def vllm_batches(kv: types.ModuleType, content: list[BatchContent]) -> list[list
 # -- the decoding subscribers --------------------------------------------------------------
 
 
-def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any, part: int, parts: int) -> None:
-    """Receive every batch and decode, with vLLM's ``KVEventBatch``, the share of them this
-    process is given: the batches whose place in the round is ``part`` modulo ``parts``, so
-    ``parts`` such processes decode each batch exactly once between them. Per round, answer
-    (time of the last decode, BlockStored blocks decoded, CPU seconds spent decoding, batches
-    received)."""
-    import msgspec
-
-    kv = load_kv_events(Path(kv_path))
-    decoder = msgspec.msgpack.Decoder(kv.KVEventBatch)
+def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any) -> None:
+    """Receive and decode every batch with vLLM's ``KVEventBatch`` (one decoding process).
+    Per round, answer (time of the last decode, BlockStored blocks, CPU seconds spent
+    decoding, batches decoded)."""
     from kvpubd.tools.launcher import live_subscriber
 
+    decode = _batch_decoder(kv_path)
     ctx, sub = live_subscriber(endpoint)
     pipe.send("live")
-    stored = kv.BlockStored
-    while True:
-        command = pipe.recv()
-        if command is None:
-            break
+    while (command := pipe.recv()) is not None:
         first_seq, batches = command
-        end_seq = first_seq + batches
         pipe.send("armed")
-        blocks, received, cpu, last = 0, 0, 0.0, 0.0
-        while received < batches:
+        blocks, decoded, cpu, last = 0, 0, 0.0, 0.0
+        while decoded < batches:
             frames = sub.recv_multipart()
-            seq = int.from_bytes(frames[1], "big")
-            if not first_seq <= seq < end_seq:
+            if not first_seq <= int.from_bytes(frames[1], "big") < first_seq + batches:
                 continue  # a warm-up batch still on its way
-            received += 1
-            if (seq - first_seq) % parts != part:
-                continue
             started = time.thread_time()
-            for event in decoder.decode(frames[2]).events:
-                if type(event) is stored:
-                    blocks += len(event.block_hashes)
+            blocks += decode(frames[2])
             last = time.monotonic()
             cpu += time.thread_time() - started
-        pipe.send((last, blocks, cpu, received))
+            decoded += 1
+        pipe.send((last, blocks, cpu, decoded))
     sub.close(linger=0)
     ctx.term()
 
 
+def _batch_decoder(kv_path: str) -> Any:
+    """A function decoding one payload with vLLM's ``KVEventBatch``; returns its stored blocks."""
+    import msgspec
+
+    kv = load_kv_events(Path(kv_path))
+    decode = msgspec.msgpack.Decoder(kv.KVEventBatch).decode
+    stored = kv.BlockStored
+
+    def blocks_of(payload: Any) -> int:
+        return sum(len(e.block_hashes) for e in decode(payload).events if type(e) is stored)
+
+    return blocks_of
+
+
+def _forwarder(endpoint: str, workers: list[str], pipe: Any) -> None:
+    """The one subscriber of a stream whose decoding is shared: hands each batch of a round,
+    unread, to the decoding worker at its place modulo the number of workers, then an end
+    marker to each. Answers the batches it received."""
+    import zmq
+
+    from kvpubd.tools.launcher import live_subscriber
+
+    ctx, sub = live_subscriber(endpoint)
+    pushes = []
+    for worker in workers:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.bind(worker)
+        pushes.append(push)
+    pipe.send("live")
+    while (command := pipe.recv()) is not None:
+        first_seq, batches = command
+        pipe.send("armed")
+        received = 0
+        while received < batches:
+            frames = sub.recv_multipart(copy=False)
+            seq = int.from_bytes(frames[1].bytes, "big")
+            if not first_seq <= seq < first_seq + batches:
+                continue
+            pushes[(seq - first_seq) % len(pushes)].send(frames[2], copy=False)
+            received += 1
+        for push in pushes:
+            push.send(b"")
+        pipe.send(received)
+    for socket in (sub, *pushes):
+        socket.close(linger=0)
+    ctx.term()
+
+
+def _decoding_worker(kv_path: str, endpoint: str, pipe: Any) -> None:
+    """Decode what the forwarder hands over until its end marker; answers as
+    ``_decoding_subscriber`` does."""
+    import zmq
+
+    decode = _batch_decoder(kv_path)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(endpoint)
+    pipe.send("live")
+    while pipe.recv() is not None:
+        pipe.send("armed")
+        blocks, decoded, cpu, last = 0, 0, 0.0, 0.0
+        while payload := pull.recv():
+            started = time.thread_time()
+            blocks += decode(payload)
+            last = time.monotonic()
+            cpu += time.thread_time() - started
+            decoded += 1
+        pipe.send((last, blocks, cpu, decoded))
+    pull.close(linger=0)
+    ctx.term()
+
+
 class _Side:
-    """One publisher and the processes that decode its stream."""
+    """One publisher and what decodes its stream: one subscribing process that decodes every
+    batch, or (``decoders`` > 1) one subscribing process that shares the batches out to
+    ``decoders`` decoding processes. Either way the publisher has one subscriber."""
 
     def __init__(
-        self, name: str, endpoint: str, kv_path: Path, publish: Any, warmup: Any, decoders: int
+        self,
+        name: str,
+        endpoint: str,
+        kv_path: Path,
+        publish: Any,
+        warmup: Any,
+        decoders: int,
+        workdir: str,
     ) -> None:
         spawn = multiprocessing.get_context("spawn")
         self.name = name
         self._publish = publish
-        self._warmup = warmup
         self.published = 0  # seqs of both publishers count batches from 0
-        self.pipes = []
-        self.processes = []
-        for part in range(decoders):
+        self.pipes: list[Any] = []
+        self.processes: list[Any] = []
+
+        def start(target: Any, *args: Any) -> Any:
             pipe, child = spawn.Pipe()
-            process = spawn.Process(
-                target=_decoding_subscriber,
-                args=(str(kv_path), endpoint, child, part, decoders),
-                daemon=True,
-            )
+            process = spawn.Process(target=target, args=(*args, child), daemon=True)
             process.start()
             self.pipes.append(pipe)
             self.processes.append(process)
+            return pipe
+
+        if decoders == 1:
+            subscriber = start(_decoding_subscriber, str(kv_path), endpoint)
+        else:
+            workers = [f"ipc://{workdir}/{name}-decoder{i}" for i in range(decoders)]
+            subscriber = start(_forwarder, endpoint, workers)
+            for worker in workers:
+                start(_decoding_worker, str(kv_path), worker)
         deadline = time.monotonic() + 60
+        while not subscriber.poll(0.01):
+            warmup()
+            self.published += 1
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: the subscribing process never received a batch")
         for pipe in self.pipes:
-            while not pipe.poll(0.01):
-                self._warmup()
-                self.published += 1
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name}: a decoding subscriber never received a batch")
-            pipe.recv()
+            if not pipe.poll(60):
+                raise TimeoutError(f"{name}: a decoding process never started")
+            pipe.recv()  # live
+        # The decoders' answers: all of them but the forwarder's (a count of batches).
+        self.decoder_pipes = self.pipes if decoders == 1 else self.pipes[1:]
 
     def round(self, batches: list[Any], blocks: int) -> tuple[float, float, float]:
         """(blocks/s delivered, publisher CPU seconds per block, share of the round the
@@ -280,22 +359,24 @@ class _Side:
         self.published += len(batches)
         answers = [_answer(pipe, self.name) for pipe in self.pipes]
         cpu = time.process_time() - cpu
-        last = max(answer[0] for answer in answers)
-        got = sum(answer[1] for answer in answers)
+        decoded = [answers[self.pipes.index(pipe)] for pipe in self.decoder_pipes]
+        last = max(answer[0] for answer in decoded)
+        got = sum(answer[1] for answer in decoded)
         assert got == blocks, (self.name, got, blocks)
-        assert all(answer[3] == len(batches) for answer in answers), (self.name, answers)
-        busiest = max(answer[2] for answer in answers)
+        assert sum(answer[3] for answer in decoded) == len(batches), (self.name, answers)
+        busiest = max(answer[2] for answer in decoded)
         return blocks / (last - start), cpu / blocks, busiest / (last - start)
 
     def close(self) -> None:
-        for pipe, process in zip(self.pipes, self.processes, strict=True):
+        for pipe in self.pipes:
             pipe.send(None)
+        for process in self.processes:
             process.join(10)
 
 
-def _answer(pipe: Any, name: str, timeout_s: float = 300) -> tuple[float, int, float, int]:
+def _answer(pipe: Any, name: str, timeout_s: float = 300) -> Any:
     if not pipe.poll(timeout_s):
-        raise TimeoutError(f"{name}: a decoding subscriber did not finish its round")
+        raise TimeoutError(f"{name}: a decoding process did not finish its round")
     return pipe.recv()
 
 
@@ -305,7 +386,7 @@ def measure_against_vllm(
     """Alternating rounds of ``batches`` batches through vLLM's ZmqEventPublisher and ours,
     each stream decoded by ``decoders`` processes that share its batches between them (one
     process decodes more slowly than either publisher publishes: with one, the decoder is
-    measured as much as the publisher)."""
+    measured as much as the publisher). Each publisher has one subscriber either way."""
     import zmq
 
     from kvpubd.daemon.publisher import Publisher
@@ -329,6 +410,7 @@ def measure_against_vllm(
                 lambda events: publisher.publish(events),
                 lambda: publisher.publish([], WARMUP_TS),
                 decoders,
+                tmp,
             ),
             _Side(
                 "vllm",
@@ -337,6 +419,7 @@ def measure_against_vllm(
                 lambda events: peer.publish(batch_type(ts=time.time(), events=events)),
                 lambda: peer.publish(batch_type(ts=WARMUP_TS, events=[])),
                 decoders,
+                tmp,
             ),
         ]
         rates: dict[str, list[float]] = {"kvpubd": [], "vllm": []}
