@@ -2,7 +2,7 @@
 # Benchmarks and GPU tests on a machine with a GPU and no network (the H200 host the closing
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
-# msgspec pytest-asyncio`). Results go to $OUT (default ./bench-out). Usage:
+# msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
 #   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart
 # The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
 # .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.devwheels}
 python3 -m pip install -q --no-index --find-links "$WHEELS" pyzmq pydantic pydantic-settings \
-    msgspec pytest-asyncio >/dev/null 2>&1 || echo "h200-bench: wheels not installed" >&2
+    msgspec pytest-asyncio xxhash >/dev/null 2>&1 || echo "h200-bench: wheels not installed" >&2
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
     || export PYTHONPATH=$PWD
 K="python3 -m kvpubd"

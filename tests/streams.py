@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
+import xxhash
 
 from kvpubd.client import ControlClient, Received, Subscriber
 from kvpubd.protocol.wire import (
@@ -38,9 +39,19 @@ def prompt(seed: int, blocks: int, tail: int = 0) -> list[int]:
     return list(range(base, base + count))
 
 
-def independent_root_key(lora_id: int | None, cache_salt: str | None) -> bytes:
-    """The chain's root: sha256 of the msgpack array ["kvpubd-root-v1", lora_id, cache_salt]."""
-    return hashlib.sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
+def independent_digest(data: bytes, algorithm: str = "sha256") -> bytes:
+    """One link of the chain: sha256, or xxh3_128 for ``cache.hash_algorithm = "xxhash"``."""
+    if algorithm == "xxhash":
+        return xxhash.xxh3_128(data).digest()
+    return hashlib.sha256(data).digest()
+
+
+def independent_root_key(
+    lora_id: int | None, cache_salt: str | None, algorithm: str = "sha256"
+) -> bytes:
+    """The chain's root: the digest of the msgpack array ["kvpubd-root-v1", lora_id,
+    cache_salt]."""
+    return independent_digest(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt]), algorithm)
 
 
 def chain_hashes(
@@ -50,18 +61,19 @@ def chain_hashes(
     cache_salt: str | None = None,
     hash_format: str = "u64",
     block_size: int = BLOCK_SIZE,
+    algorithm: str = "sha256",
 ) -> list[BlockHash]:
     """The published hashes of the full blocks of ``tokens``, computed independently of
-    kvpubd.protocol.hashing: ``digest_i = sha256(digest_{i-1} or root || block i's token ids
-    as little-endian uint32)``; u64 is the digest's low 64 bits read big-endian, i64 its first
+    kvpubd.protocol.hashing: ``digest_i = H(digest_{i-1} or root || block i's token ids as
+    little-endian uint32)``; u64 is the digest's last 8 bytes read big-endian, i64 its first
     8 bytes signed, bytes the digest itself."""
-    prev = independent_root_key(lora_id, cache_salt)
+    prev = independent_root_key(lora_id, cache_salt, algorithm)
     hashes: list[BlockHash] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = struct.pack(f"<{block_size}I", *tokens[start : start + block_size])
-        prev = hashlib.sha256(prev + block).digest()
+        prev = independent_digest(prev + block, algorithm)
         if hash_format == "u64":
-            hashes.append(int.from_bytes(prev[24:32], "big"))
+            hashes.append(int.from_bytes(prev[-8:], "big"))
         elif hash_format == "i64":
             hashes.append(int.from_bytes(prev[:8], "big", signed=True))
         elif hash_format == "bytes":

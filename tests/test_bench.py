@@ -60,6 +60,12 @@ def test_bench_throughput_counts_blocks_without_gaps() -> None:
     result = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096")
     assert result["gaps"] == 0 and result["dropped_stored_blocks"] == 0
     assert result["blocks"] > 0 and result["blocks_per_s"] > 0
+    assert result["hash_algorithm"] == "sha256"
+    # The same prompts under the other hash: other hashes, the same prefixes shared.
+    xxhash = bench("throughput", "--requests", "20", "--window", "4", "--num-blocks", "4096",
+                   "--hash-algorithm", "xxhash")  # fmt: skip
+    assert xxhash["hash_algorithm"] == "xxhash" and xxhash["gaps"] == 0
+    assert xxhash["blocks"] == result["blocks"]
 
 
 def test_bench_publisher_and_index() -> None:

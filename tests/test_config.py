@@ -184,13 +184,19 @@ def test_bad_env_value_exits_2_naming_the_key(
     assert_nothing_bound(tmp_path)
 
 
-def test_load_settings_error_names_the_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [("events", "hash_format", "u128"), ("cache", "hash_algorithm", "md5")],
+)
+def test_load_settings_error_names_the_key(
+    tmp_path: Path, section: str, key: str, value: str
+) -> None:
     """load_settings raises ConfigError whose one-line message starts with the dotted key."""
     config = tmp_path / "c.toml"
-    write_config(config, {"events": {"hash_format": "u128"}})
+    write_config(config, {section: {key: value}})
     with pytest.raises(ConfigError) as info:
         load_settings(config)
-    assert str(info.value).startswith("events.hash_format:")
+    assert str(info.value).startswith(f"{section}.{key}:")
     assert "\n" not in str(info.value)
 
 

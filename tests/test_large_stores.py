@@ -17,6 +17,7 @@ from kvpubd.daemon.stores import SYNC_BLOCKS
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
+from tests.streams import chain_hashes
 
 BLOCK_SIZE = 16
 LARGE = 4 * SYNC_BLOCKS  # full blocks of a store that takes several loop turns
@@ -125,6 +126,28 @@ def test_reset_behind_a_large_store_is_answered_first_and_the_stream_stays_exact
             assert client.stats().ranks[0].blocks_cached == HUGE
             assert_mirror_is_snapshot(sub, client, [0])
             client.release("r")
+    finally:
+        sub.close()
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxhash"])
+def test_a_store_hashed_in_slices_chains_across_them(
+    start_daemon: DaemonFactory, algorithm: str
+) -> None:
+    """A store hashed over several loop turns continues each slice's chain from the last
+    digest of the one before, with either hash algorithm: every published hash is the one
+    the whole prompt's chain gives."""
+    daemon = start_daemon(cache={"num_blocks": 2 * LARGE, "hash_algorithm": algorithm})
+    sub = subscriber("sync", daemon)
+    try:
+        with daemon.client() as client:
+            go_live(sub, client, [0])
+            tokens = prompt(LARGE, 9)
+            assert len(client.store("r", tokens).block_ids) == LARGE
+            assert_mirror_is_snapshot(sub, client, [0])
+            expected = chain_hashes(np.frombuffer(tokens, "<u4").tolist(), algorithm=algorithm)
+            # (besides the blocks go_live stored)
+            assert set(expected) <= set(sub.mirror(0).blocks)
     finally:
         sub.close()
 

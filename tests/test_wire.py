@@ -21,6 +21,7 @@ import msgpack
 import msgspec
 import numpy as np
 import pytest
+import xxhash
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
@@ -184,14 +185,23 @@ def stored_events(wire_format: str, payloads: list[bytes]) -> list[Any]:
 
 
 def expected_digests(
-    tokens: list[int], block_size: int, lora_id: int | None = None, cache_salt: str | None = None
+    tokens: list[int],
+    block_size: int,
+    lora_id: int | None = None,
+    cache_salt: str | None = None,
+    algorithm: str = "sha256",
 ) -> list[bytes]:
-    """The documented chain, computed here: sha256(prev or root || block tokens as LE uint32)."""
-    prev = sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
+    """The documented chain, computed here: H(prev or root || block tokens as LE uint32), H
+    sha256 or xxh3_128, the root H(msgpack(["kvpubd-root-v1", lora_id, cache_salt]))."""
+
+    def digest(data: bytes) -> bytes:
+        return (sha256 if algorithm == "sha256" else xxhash.xxh3_128)(data).digest()
+
+    prev = digest(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt]))
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[start : start + block_size]
-        prev = sha256(prev + struct.pack(f"<{block_size}I", *block)).digest()
+        prev = digest(prev + struct.pack(f"<{block_size}I", *block))
         out.append(prev)
     return out
 
@@ -418,15 +428,17 @@ def test_medium_defaults_to_cpu(capture: Capture) -> None:
 # -- hashes ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("algorithm", ["sha256", "xxhash"])
 @pytest.mark.parametrize("hash_format", ["u64", "i64", "bytes"])
 def test_block_hashes_follow_the_documented_chain(
-    start_daemon: DaemonFactory, hash_format: str
+    start_daemon: DaemonFactory, hash_format: str, algorithm: str
 ) -> None:
-    """Published hashes equal sha256(prev or root(lora_id, cache_salt) || LE uint32 tokens) in
-    the configured form; a shared prefix's next store names the last matched block as parent;
-    lora_id and cache_salt change every hash; u64 >= 2^63 is msgpack uint64 (0xcf), i64
-    below -2^31 is int64 (0xd3), bytes is bin 8 (0xc4 0x20)."""
-    daemon = start_daemon(events={"hash_format": hash_format})
+    """Published hashes equal H(prev or root(lora_id, cache_salt) || LE uint32 tokens) in the
+    configured form, H the configured algorithm; a shared prefix's next store names the last
+    matched block as parent; lora_id and cache_salt change every hash; u64 >= 2^63 is msgpack
+    uint64 (0xcf), i64 below -2^31 is int64 (0xd3), bytes is bin 8 (0xc4, then the digest's
+    length: 32 for sha256, 16 for xxh3_128)."""
+    daemon = start_daemon(events={"hash_format": hash_format}, cache={"hash_algorithm": algorithm})
     bs = 16
     base = [(i * 2654435761) % (1 << 32) for i in range(4 * bs + 3)]  # large ids too
     cases: list[tuple[str, list[int], dict[str, Any], int]] = [
@@ -446,7 +458,9 @@ def test_block_hashes_follow_the_documented_chain(
 
     all_hashes: list[Hash] = []
     for (request, tokens, fields, matched), event in zip(cases, stores, strict=True):
-        digests = expected_digests(tokens, bs, fields.get("lora_id"), fields.get("cache_salt"))
+        digests = expected_digests(
+            tokens, bs, fields.get("lora_id"), fields.get("cache_salt"), algorithm
+        )
         wire = [to_wire(d, hash_format) for d in digests]
         assert event.block_hashes == wire[matched:], request
         assert event.parent_block_hash == (wire[matched - 1] if matched else None), request
@@ -470,9 +484,10 @@ def test_block_hashes_follow_the_documented_chain(
             assert b"\xd3" + h.to_bytes(8, "big", signed=True) in raw
         assert all(isinstance(h, int) and -(1 << 63) <= h < 1 << 63 for h in all_hashes)
     else:
+        size = 32 if algorithm == "sha256" else 16
         for h in all_hashes:
-            assert isinstance(h, bytes) and len(h) == 32
-            assert b"\xc4\x20" + h in raw
+            assert isinstance(h, bytes) and len(h) == size
+            assert b"\xc4" + bytes([size]) + h in raw
 
 
 def test_partial_tail_blocks_are_never_published(start_daemon: DaemonFactory) -> None:

@@ -74,6 +74,7 @@ class RankCache:
         self.leases: dict[RequestId, Lease] = {}
         self.sink = sink
         self.wire_hash = wire_hasher(hash_format)
+        self.hash_algorithm = config.hash_algorithm
         self.generation = 0  # bumped by every clear
 
     @property
@@ -90,7 +91,9 @@ class RankCache:
         cache_salt: str | None = None,
     ) -> tuple[list[int], int]:
         """Match the cached prefix, allocate and pin the rest; return (block_ids, cached tokens)."""
-        digests = chain_digests(tokens, self.block_size, root_key(lora_id, cache_salt))
+        algorithm = self.hash_algorithm
+        root = root_key(lora_id, cache_salt, algorithm)
+        digests = chain_digests(tokens, self.block_size, root, algorithm)
         plan = self.plan_store(request_id, tokens, digests, lora_id, lora_name, cache_salt)
         self.insert_some(plan, len(digests))
         return self.finish_store(plan)

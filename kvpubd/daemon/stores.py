@@ -102,10 +102,11 @@ class StoreQueue:
         cache = self._cache
         size = cache.block_size
         digests: list[bytes] = []
-        link = root_key(item.lora_id, item.cache_salt)
+        algorithm = cache.hash_algorithm
+        link = root_key(item.lora_id, item.cache_salt, algorithm)
         for start in range(0, len(item.tokens) // size, SLICE_BLOCKS):
             part = chain_digests(
-                item.tokens[start * size : (start + SLICE_BLOCKS) * size], size, link
+                item.tokens[start * size : (start + SLICE_BLOCKS) * size], size, link, algorithm
             )
             digests += part
             link = part[-1]

@@ -1,8 +1,9 @@
 """The block hash chain and its wire forms.
 
-``digest_i = sha256(digest_{i-1} or root_key || token ids of block i)``; token ids are hashed
-as little-endian uint32. The root key mixes the LoRA id and the cache salt, so equal prefixes
-under another adapter or salt never share blocks.
+``digest_i = H(digest_{i-1} or root_key || token ids of block i)``; token ids are hashed as
+little-endian uint32. The root key mixes the LoRA id and the cache salt, so equal prefixes
+under another adapter or salt never share blocks. ``H`` is sha256 (32-byte digests), or with
+``xxhash`` xxh3_128 (16 bytes), the two hash families vLLM offers for prefix caching.
 """
 
 from __future__ import annotations
@@ -14,17 +15,22 @@ from typing import Literal
 
 import msgpack
 import numpy as np
+from xxhash import xxh3_128_digest
 
 from kvpubd.protocol.wire import BlockHash
 
 HashFormat = Literal["u64", "i64", "bytes"]
+HashAlgorithm = Literal["sha256", "xxhash"]
 TOKEN_DTYPE = np.dtype("<u4")
 MAX_TOKEN_ID = (1 << 32) - 1
 
 
 @functools.lru_cache(maxsize=4096)  # a few adapters and salts serve most requests
-def root_key(lora_id: int | None, cache_salt: str | None) -> bytes:
-    return sha256(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])).digest()
+def root_key(
+    lora_id: int | None, cache_salt: str | None, algorithm: HashAlgorithm = "sha256"
+) -> bytes:
+    key = msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt])
+    return xxh3_128_digest(key) if algorithm == "xxhash" else sha256(key).digest()
 
 
 def token_count(token_ids: list[int] | bytes) -> int:
@@ -48,29 +54,46 @@ def tokens_array(token_ids: list[int] | bytes) -> np.ndarray:
     return arr.astype(TOKEN_DTYPE)
 
 
-def chain_digests(tokens: np.ndarray, block_size: int, root: bytes) -> list[bytes]:
-    """Digests of every full block of ``tokens`` (uint32), in prefix order."""
+def chain_digests(
+    tokens: np.ndarray, block_size: int, root: bytes, algorithm: HashAlgorithm = "sha256"
+) -> list[bytes]:
+    """Digests of every full block of ``tokens`` (uint32), in prefix order; ``root`` is the
+    digest the chain hangs from (``root_key`` of the same algorithm, or a block's digest)."""
     step = block_size * TOKEN_DTYPE.itemsize
     end = (len(tokens) // block_size) * step
     data = tokens.tobytes()
     blocks = [data[start : start + step] for start in range(0, end, step)]
     digests: list[bytes] = []
-    append, hash_ = digests.append, sha256  # locals: this loop runs once per block
+    append = digests.append  # locals: these loops run once per block
     prev = root
-    for block in blocks:
-        prev = hash_(prev + block).digest()
-        append(prev)
+    if algorithm == "xxhash":
+        digest = xxh3_128_digest
+        for block in blocks:
+            prev = digest(prev + block)
+            append(prev)
+    else:
+        hash_ = sha256
+        for block in blocks:
+            prev = hash_(prev + block).digest()
+            append(prev)
     return digests
 
 
+def _words(digests: list[bytes]) -> int:
+    """64-bit words per digest (4 for sha256, 2 for xxh3_128)."""
+    return len(digests[0]) // 8 if digests else 1
+
+
 def _u64(digests: list[bytes]) -> list[BlockHash]:
-    # Low 64 bits read big-endian: the last of the four big-endian words of each digest.
-    return np.frombuffer(b"".join(digests), dtype=">u8")[3::4].tolist()
+    # The digest's last 8 bytes read big-endian (sha256: its low 64 bits).
+    words = _words(digests)
+    return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()
 
 
 def _i64(digests: list[bytes]) -> list[BlockHash]:
     # First 8 bytes, signed.
-    return np.frombuffer(b"".join(digests), dtype=">i8")[0::4].tolist()
+    words = _words(digests)
+    return np.frombuffer(b"".join(digests), dtype=">i8")[::words].tolist()
 
 
 def _raw(digests: list[bytes]) -> list[BlockHash]:

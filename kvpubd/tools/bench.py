@@ -18,6 +18,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvpubd.exits import USAGE, check_positive, fail, warn
+from kvpubd.protocol.hashing import HashAlgorithm
 from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
@@ -1046,7 +1047,12 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def measure_throughput(
-    requests: int, window: int, num_blocks: int, ranks: int = 1, daemon_per_rank: bool = False
+    requests: int,
+    window: int,
+    num_blocks: int,
+    ranks: int = 1,
+    daemon_per_rank: bool = False,
+    hash_algorithm: HashAlgorithm = "sha256",
 ) -> dict[str, Any]:
     """Store+release requests round-robin over ``ranks``, served by one daemon, or with
     ``daemon_per_rank`` by one single-rank daemon each (``cache.data_parallel_start_rank``)
@@ -1070,7 +1076,12 @@ def measure_throughput(
         daemons = []
         for layout in layouts:
             overrides: dict[str, dict[str, Any]] = {
-                "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, **layout},
+                "cache": {
+                    **TINY_BLOCKS,
+                    "num_blocks": num_blocks,
+                    "hash_algorithm": hash_algorithm,
+                    **layout,
+                },
                 "events": {"buffer_steps": 1000},
                 "service": {"log_level": "warning"},
             }
@@ -1144,6 +1155,7 @@ def measure_throughput(
         "requests": requests,
         "ranks": ranks,
         "daemons": len(daemons),
+        "hash_algorithm": hash_algorithm,
         "transport": transport,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
@@ -1175,6 +1187,9 @@ def bench_throughput(
             "with --window requests in flight, instead of one daemon serving every rank."
         ),
     ] = False,
+    hash_algorithm: Annotated[
+        HashAlgorithm, typer.Option(help="The daemons' cache.hash_algorithm.")
+    ] = "sha256",
     load_fraction: Annotated[
         list[float] | None,
         typer.Option(
@@ -1200,7 +1215,9 @@ def bench_throughput(
     ):
         check_positive(option, value, integer=True)
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
-        result = measure_throughput(requests, window, num_blocks, ranks, daemon_per_rank)
+        result = measure_throughput(
+            requests, window, num_blocks, ranks, daemon_per_rank, hash_algorithm
+        )
     if load_fraction:
         from kvpubd.tools.bench_paced import measure_resets_under_load
 
