@@ -3,7 +3,7 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart
 # The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
 # .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
 set -uo pipefail
@@ -21,7 +21,9 @@ case "${1:-}" in
   reset) $K bench reset --sizes 0,10000,100000,1000000 --resets 200 --json > "$OUT/reset-cpu.json"
          $K bench reset --sizes 0,1000000 --resets 200 --device cuda:0 --json > "$OUT/reset-cuda.json" ;;
   under) $K bench reset --under "$2" --sizes 1000000 --resets "${3:-100}" --json > "$OUT/under-$2.json" ;;
-  throughput) $K bench throughput --json > "$OUT/throughput.json" ;;
+  # throughput [ALGORITHM]: cache.hash_algorithm, sha256 (default) or xxhash
+  throughput) $K bench throughput --hash-algorithm "${2:-sha256}" --json \
+                  > "$OUT/throughput-${2:-sha256}.json" ;;
   # publisher [DECODERS [ROUNDS]]: decoding processes per stream (1: the decoder sets the rate)
   publisher) KVPUBD_VLLM_KV_EVENTS=${KVPUBD_VLLM_KV_EVENTS:-.devvllm/kv_events.py} \
                  $K bench publisher --against-vllm --decoders "${2:-1}" --rounds "${3:-7}" --json \
@@ -34,6 +36,6 @@ case "${1:-}" in
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
                      --json > "$OUT/ranks-apart-$r.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart" >&2
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart" >&2
      exit 2 ;;
 esac
