@@ -601,3 +601,14 @@ def test_an_array_longer_than_a_16_bit_header_holds_is_written_whole() -> None:
     payload = BatchEncoder("map", 0).encode(1.0, stores_of_arrays([short, long, short]))
     decoded = msgpack.unpackb(payload)[1]
     assert [e["token_ids"] for e in decoded] == [short.tolist(), long.tolist(), short.tolist()]
+
+
+def test_a_batch_larger_than_the_kept_buffer_and_one_after_it_read_back_whole() -> None:
+    """A batch of several MB (the encoder does not keep a buffer that large), then a small
+    one from the same encoder: each payload is exactly its own batch, nothing left over."""
+    encoder = BatchEncoder("map", 0)
+    huge = np.arange(1_500_000, dtype=np.uint32) + 70_000  # 5-byte items: 7.5 MB
+    small = np.arange(3, dtype=np.uint32)
+    for arrays in ([huge], [small]):
+        decoded = msgpack.unpackb(encoder.encode(1.0, stores_of_arrays(arrays)))[1]
+        assert [e["token_ids"] for e in decoded] == [a.tolist() for a in arrays]

@@ -209,6 +209,9 @@ def event_from_wire(obj: Any) -> Event:
     raise ValueError(f"not a KV-cache event: {obj!r:.80}")
 
 
+_KEPT_BUFFER_BYTES = 4 << 20
+
+
 class BatchEncoder:
     """Encodes event batches for one rank; one msgspec encoder reused for every batch.
 
@@ -221,7 +224,11 @@ class BatchEncoder:
         self.rank = rank
         self._raws: dict[int, msgspec.Raw] = {}
         self._tokens = _TokenArrays()
-        self._encode = msgspec.msgpack.Encoder(enc_hook=self._hook).encode
+        self._encode_into = msgspec.msgpack.Encoder(enc_hook=self._hook).encode_into
+        # Every batch is written into this one buffer, then copied out at its exact size: a
+        # fresh bytes per batch would grow by repeated reallocation, and in cold memory while
+        # the replay ring holds thousands of earlier payloads (most of the encoding time).
+        self._out = bytearray(1 << 16)
         self._array = wire_format == "array"
 
     def _hook(self, obj: Any) -> Any:
@@ -241,10 +248,16 @@ class BatchEncoder:
         ]
         if arrays:
             self._raws = self._tokens.raws(arrays)  # type: ignore[arg-type]
+        out = self._out
         try:
             if self._array:
-                return self._encode((ts, [to_array(e) for e in events], self.rank))
-            return self._encode((ts, events, self.rank))
+                self._encode_into((ts, [to_array(e) for e in events], self.rank), out)
+            else:
+                self._encode_into((ts, events, self.rank), out)
+            payload = bytes(out)
+            if len(payload) > _KEPT_BUFFER_BYTES:  # a rare huge batch: do not keep its memory
+                self._out = bytearray(1 << 16)
+            return payload
         finally:
             if arrays:
                 self._raws = {}
