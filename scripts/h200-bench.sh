@@ -3,7 +3,7 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
 # The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
 # .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
 set -uo pipefail
@@ -31,11 +31,12 @@ case "${1:-}" in
   paced) $K bench throughput --load-fraction 0.5 --load-fraction 0.9 --resets 100 --json \
              > "$OUT/paced.json" ;;
   ranks) for r in 1 2 4 8; do $K bench throughput --ranks "$r" --json > "$OUT/ranks-$r.json"; done ;;
-  # One single-rank daemon per rank; as many requests per rank as one rank gets above.
+  # ranks-apart [ALGORITHM]: one single-rank daemon per rank; as many requests per rank as
+  # one rank gets above.
   ranks-apart) for r in 1 2 4 8; do
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
-                     --json > "$OUT/ranks-apart-$r.json"
+                     --hash-algorithm "${2:-sha256}" --json > "$OUT/ranks-apart-$r-${2:-sha256}.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart" >&2
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
      exit 2 ;;
 esac
