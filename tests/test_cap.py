@@ -1,6 +1,9 @@
 """The per-tick capture cap is per periodic tick: out-of-tick flushes don't refill it."""
 
+import numpy as np
+
 from kvpubd.client import Mirror
+from kvpubd.daemon.pipeline import FLUSH_BLOCKS
 from kvpubd.protocol.wire import BlockStored
 from tests.conftest import DaemonFactory
 from tests.mirrors import snapshot_blocks
@@ -50,3 +53,42 @@ def test_snapshot_flush_does_not_refill_the_tick_budget(start_daemon: DaemonFact
         dropped = chain_hashes(prompts[1])[1:] + chain_hashes(prompts[2])
         assert set(chain_hashes(prompts[0]) + chain_hashes(prompts[1])[:1]) <= expected.keys()
         assert not expected.keys() & set(dropped)
+
+
+def _packed_prompt(blocks: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, 60_000, blocks * BLOCK_SIZE, dtype="<u4").tobytes()
+
+
+def test_a_large_capture_goes_out_at_once_and_still_counts_against_the_tick(
+    start_daemon: DaemonFactory,
+) -> None:
+    """Once FLUSH_BLOCKS blocks are captured they are published without waiting for the tick
+    (here one tick lasts the whole test), so a reset never has more than that to publish
+    ahead of its marker; that flush does not refill the tick's budget, and while the drain
+    is paused nothing goes out early."""
+    blocks = FLUSH_BLOCKS + 76
+    budget = FLUSH_BLOCKS + 476
+    daemon = start_daemon(
+        events={"tick_interval_ms": 60_000, "max_events_per_tick": budget},
+        cache={"num_blocks": 8 * FLUSH_BLOCKS},
+    )
+    with daemon.client() as client:
+        start = client.stats().ranks[0]
+        client.store("a", _packed_prompt(blocks, 1))
+        after_a = client.stats().ranks[0]
+        assert after_a.events_pending == 0 and after_a.seq == start.seq + 1
+        assert after_a.blocks_published == blocks
+        # The budget has budget - blocks left: that much of b is captured, and kept pending.
+        client.store("b", _packed_prompt(blocks, 2))
+        after_b = client.stats().ranks[0]
+        assert after_b.events_pending == 1 and after_b.seq == after_a.seq
+        assert after_b.dropped_stored_blocks - start.dropped_stored_blocks == 2 * blocks - budget
+        assert after_b.blocks_published == budget
+
+        client.reset(force=True)  # publishes b's part, a fresh budget
+        client.pause()
+        paused = client.stats().ranks[0]
+        client.store("c", _packed_prompt(blocks, 3))
+        after_c = client.stats().ranks[0]
+        assert after_c.events_pending == 1 and after_c.seq == paused.seq

@@ -175,7 +175,14 @@ class Service:
         self.control.bind()
         for rank in self.settings.cache.ranks:
             self.pipelines.append(
-                RankPipeline(rank, self.settings, self._context, self.metrics, self._reaper)
+                RankPipeline(
+                    rank,
+                    self.settings,
+                    self._context,
+                    self.metrics,
+                    self._reaper,
+                    drain_paused=lambda: self.operations.paused,
+                )
             )
         for pipeline in self.pipelines:
             pipeline.start()

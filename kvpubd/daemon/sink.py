@@ -90,6 +90,8 @@ class EventSink:
         self.medium = medium
         self.max_events_per_tick = max_events_per_tick
         self._pending: list[Event] = []
+        # Blocks the pending events name (stored and removed): what the next batch encodes.
+        self.pending_blocks = 0
         self._budget = max_events_per_tick
         # Published and not yet removed, in publication order (parents before children).
         self.published = PublishedRecord()
@@ -121,6 +123,7 @@ class EventSink:
         if count == 0:
             return
         self._budget -= count
+        self.pending_blocks += count
         self.published.add(block_ids[:count] if count < len(block_ids) else block_ids)
         self._pending.append(
             stored_event(
@@ -138,6 +141,7 @@ class EventSink:
         """Capture removals; only blocks whose store was published are named."""
         named = self.published.discard_named(block_ids, hashes)
         if named:
+            self.pending_blocks += len(named)
             self._pending.append(BlockRemoved(block_hashes=named, medium=self.medium))
 
     def cleared(self) -> PublishedRecord:
@@ -153,6 +157,7 @@ class EventSink:
         """Take the captured events as one batch; the periodic drain passes ``new_tick`` to
         start a fresh budget (an out-of-tick flush, e.g. for a snapshot, must not)."""
         events, self._pending = self._pending, []
+        self.pending_blocks = 0
         if new_tick:
             self._budget = self.max_events_per_tick
         return events
