@@ -26,6 +26,7 @@ import tempfile
 import time
 import types
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,7 +219,7 @@ def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any) -> None:
     ctx.term()
 
 
-def _batch_decoder(kv_path: str) -> Any:
+def _batch_decoder(kv_path: str) -> Callable[[bytes], int]:
     """A function decoding one payload with vLLM's ``KVEventBatch``; returns its stored blocks."""
     import msgspec
 
@@ -226,7 +227,7 @@ def _batch_decoder(kv_path: str) -> Any:
     decode = msgspec.msgpack.Decoder(kv.KVEventBatch).decode
     stored = kv.BlockStored
 
-    def blocks_of(payload: Any) -> int:
+    def blocks_of(payload: bytes) -> int:
         return sum(len(e.block_hashes) for e in decode(payload).events if type(e) is stored)
 
     return blocks_of
