@@ -204,17 +204,13 @@ def _decoding_subscriber(kv_path: str, endpoint: str, pipe: Any) -> None:
     while (command := pipe.recv()) is not None:
         first_seq, batches = command
         pipe.send("armed")
-        blocks, decoded, cpu, last = 0, 0, 0.0, 0.0
-        while decoded < batches:
+        tally = _Tally(decode)
+        while tally.batches < batches:
             frames = sub.recv_multipart()
             if not first_seq <= int.from_bytes(frames[1], "big") < first_seq + batches:
                 continue  # a warm-up batch still on its way
-            started = time.thread_time()
-            blocks += decode(frames[2])
-            last = time.monotonic()
-            cpu += time.thread_time() - started
-            decoded += 1
-        pipe.send((last, blocks, cpu, decoded))
+            tally.decode(frames[2])
+        pipe.send(tally.answer())
     sub.close(linger=0)
     ctx.term()
 
@@ -231,6 +227,26 @@ def _batch_decoder(kv_path: str) -> Callable[[bytes], int]:
         return sum(len(e.block_hashes) for e in decode(payload).events if type(e) is stored)
 
     return blocks_of
+
+
+class _Tally:
+    """One round of a decoding process: batches and blocks decoded, CPU seconds spent
+    decoding, and when the last decode ended."""
+
+    def __init__(self, decode: Callable[[bytes], int]) -> None:
+        self._decode = decode
+        self.batches = self.blocks = 0
+        self.cpu = self.last = 0.0
+
+    def decode(self, payload: bytes) -> None:
+        started = time.thread_time()
+        self.blocks += self._decode(payload)
+        self.last = time.monotonic()
+        self.cpu += time.thread_time() - started
+        self.batches += 1
+
+    def answer(self) -> tuple[float, int, float, int]:
+        return self.last, self.blocks, self.cpu, self.batches
 
 
 def _forwarder(endpoint: str, workers: list[str], pipe: Any) -> None:
@@ -281,14 +297,10 @@ def _decoding_worker(kv_path: str, endpoint: str, pipe: Any) -> None:
     pipe.send("live")
     while pipe.recv() is not None:
         pipe.send("armed")
-        blocks, decoded, cpu, last = 0, 0, 0.0, 0.0
+        tally = _Tally(decode)
         while payload := pull.recv():
-            started = time.thread_time()
-            blocks += decode(payload)
-            last = time.monotonic()
-            cpu += time.thread_time() - started
-            decoded += 1
-        pipe.send((last, blocks, cpu, decoded))
+            tally.decode(payload)
+        pipe.send(tally.answer())
     pull.close(linger=0)
     ctx.term()
 
