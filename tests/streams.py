@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
+import numpy as np
 import xxhash
 
 from kvpubd.client import ControlClient, Received, Subscriber
@@ -37,6 +38,13 @@ def prompt(seed: int, blocks: int, tail: int = 0) -> list[int]:
     assert count < 10_000
     base = seed * 10_000
     return list(range(base, base + count))
+
+
+def packed_prompt(blocks: int, seed: int) -> bytes:
+    """Random token ids of ``blocks`` full blocks, packed as ``store`` takes them fastest
+    (little-endian uint32): for prompts too long for ``prompt``."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, 60_000, blocks * BLOCK_SIZE, dtype="<u4").tobytes()
 
 
 def independent_digest(data: bytes, algorithm: str = "sha256") -> bytes:

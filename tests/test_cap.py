@@ -1,13 +1,11 @@
 """The per-tick capture cap is per periodic tick: out-of-tick flushes don't refill it."""
 
-import numpy as np
-
 from kvpubd.client import Mirror
 from kvpubd.daemon.pipeline import FLUSH_BLOCKS
 from kvpubd.protocol.wire import BlockStored
 from tests.conftest import DaemonFactory
 from tests.mirrors import snapshot_blocks
-from tests.streams import BLOCK_SIZE, Tap, chain_hashes, prompt
+from tests.streams import BLOCK_SIZE, Tap, chain_hashes, packed_prompt, prompt
 
 
 def test_snapshot_flush_does_not_refill_the_tick_budget(start_daemon: DaemonFactory) -> None:
@@ -55,11 +53,6 @@ def test_snapshot_flush_does_not_refill_the_tick_budget(start_daemon: DaemonFact
         assert not expected.keys() & set(dropped)
 
 
-def _packed_prompt(blocks: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    return rng.integers(1, 60_000, blocks * BLOCK_SIZE, dtype="<u4").tobytes()
-
-
 def test_a_large_capture_goes_out_at_once_and_still_counts_against_the_tick(
     start_daemon: DaemonFactory,
 ) -> None:
@@ -75,12 +68,12 @@ def test_a_large_capture_goes_out_at_once_and_still_counts_against_the_tick(
     )
     with daemon.client() as client:
         start = client.stats().ranks[0]
-        client.store("a", _packed_prompt(blocks, 1))
+        client.store("a", packed_prompt(blocks, 1))
         after_a = client.stats().ranks[0]
         assert after_a.events_pending == 0 and after_a.seq == start.seq + 1
         assert after_a.blocks_published == blocks
         # The budget has budget - blocks left: that much of b is captured, and kept pending.
-        client.store("b", _packed_prompt(blocks, 2))
+        client.store("b", packed_prompt(blocks, 2))
         after_b = client.stats().ranks[0]
         assert after_b.events_pending == 1 and after_b.seq == after_a.seq
         assert after_b.dropped_stored_blocks - start.dropped_stored_blocks == 2 * blocks - budget
@@ -89,6 +82,6 @@ def test_a_large_capture_goes_out_at_once_and_still_counts_against_the_tick(
         client.reset(force=True)  # publishes b's part, a fresh budget
         client.pause()
         paused = client.stats().ranks[0]
-        client.store("c", _packed_prompt(blocks, 3))
+        client.store("c", packed_prompt(blocks, 3))
         after_c = client.stats().ranks[0]
         assert after_c.events_pending == 1 and after_c.seq == paused.seq

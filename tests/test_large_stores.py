@@ -17,16 +17,11 @@ from kvpubd.daemon.stores import SYNC_BLOCKS
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
-from tests.streams import chain_hashes
+from tests.streams import chain_hashes, packed_prompt
 
 BLOCK_SIZE = 16
 LARGE = 4 * SYNC_BLOCKS  # full blocks of a store that takes several loop turns
 HUGE = 4 * LARGE
-
-
-def prompt(blocks: int, seed: int) -> bytes:
-    tokens = np.random.default_rng(seed).integers(1, 60_000, blocks * BLOCK_SIZE, dtype="<u4")
-    return tokens.tobytes()
 
 
 @pytest.fixture
@@ -73,7 +68,7 @@ def test_stores_keep_arrival_order_behind_a_large_one(
 ) -> None:
     """A small store sent right behind a large one sharing its prefix is answered after it,
     and finds the large store's blocks cached."""
-    big = prompt(LARGE, 1)
+    big = packed_prompt(LARGE, 1)
     small = big[: 8 * BLOCK_SIZE * 4]  # its first 8 blocks
     replies = send_all(
         dealer,
@@ -94,8 +89,8 @@ def test_duplicate_id_of_a_store_under_way_is_refused(
 ) -> None:
     replies = send_all(
         dealer,
-        {"op": "store", "id": 1, "request_id": "same", "token_ids": prompt(LARGE, 2)},
-        {"op": "store", "id": 2, "request_id": "same", "token_ids": prompt(2, 3)},
+        {"op": "store", "id": 1, "request_id": "same", "token_ids": packed_prompt(LARGE, 2)},
+        {"op": "store", "id": 2, "request_id": "same", "token_ids": packed_prompt(2, 3)},
         daemon=large_daemon,
     )
     by_id = {r["id"]: r for r in replies}
@@ -114,7 +109,12 @@ def test_reset_behind_a_large_store_is_answered_first_and_the_stream_stays_exact
                 dealer,
                 # Four times as large: dozens of loop turns, so the reset right behind it
                 # arrives while it is under way even on a starved machine.
-                {"op": "store", "id": "store", "request_id": "r", "token_ids": prompt(HUGE, 4)},
+                {
+                    "op": "store",
+                    "id": "store",
+                    "request_id": "r",
+                    "token_ids": packed_prompt(HUGE, 4),
+                },
                 {"op": "reset", "id": "reset", "force": True},
                 daemon=large_daemon,
             )
@@ -142,7 +142,7 @@ def test_a_store_hashed_in_slices_chains_across_them(
     try:
         with daemon.client() as client:
             go_live(sub, client, [0])
-            tokens = prompt(LARGE, 9)
+            tokens = packed_prompt(LARGE, 9)
             assert len(client.store("r", tokens).block_ids) == LARGE
             assert_mirror_is_snapshot(sub, client, [0])
             expected = chain_hashes(np.frombuffer(tokens, "<u4").tolist(), algorithm=algorithm)
@@ -160,7 +160,7 @@ def test_release_sent_right_behind_a_large_store_releases_it(
     pinned. A second release of the same request then finds it no longer open."""
     replies = send_all(
         dealer,
-        {"op": "store", "id": "store", "request_id": "r", "token_ids": prompt(LARGE, 5)},
+        {"op": "store", "id": "store", "request_id": "r", "token_ids": packed_prompt(LARGE, 5)},
         {"op": "release", "id": "release", "request_id": "r"},
         {"op": "release", "id": "again", "request_id": "r"},
         daemon=large_daemon,
@@ -188,8 +188,8 @@ def test_release_of_a_queued_store_that_fails_is_refused(
     try:
         replies = send_all(
             sock,
-            {"op": "store", "id": "big", "request_id": "big", "token_ids": prompt(LARGE, 6)},
-            {"op": "store", "id": "more", "request_id": "more", "token_ids": prompt(64, 7)},
+            {"op": "store", "id": "big", "request_id": "big", "token_ids": packed_prompt(LARGE, 6)},
+            {"op": "store", "id": "more", "request_id": "more", "token_ids": packed_prompt(64, 7)},
             {"op": "release", "id": "release", "request_id": "more"},
             daemon=daemon,
         )
