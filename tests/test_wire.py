@@ -14,14 +14,12 @@ import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from hashlib import sha256
 from typing import Any
 
 import msgpack
 import msgspec
 import numpy as np
 import pytest
-import xxhash
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,6 +27,7 @@ from hypothesis import strategies as st
 from kvpubd.protocol.wire import BatchEncoder, BlockStored, Event, decode_batch
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
+from tests.streams import independent_digest, independent_root_key
 
 END_SEQ = b"\xff" * 8
 TIMEOUT = 10.0
@@ -193,15 +192,11 @@ def expected_digests(
 ) -> list[bytes]:
     """The documented chain, computed here: H(prev or root || block tokens as LE uint32), H
     sha256 or xxh3_128, the root H(msgpack(["kvpubd-root-v1", lora_id, cache_salt]))."""
-
-    def digest(data: bytes) -> bytes:
-        return (sha256 if algorithm == "sha256" else xxhash.xxh3_128)(data).digest()
-
-    prev = digest(msgpack.packb(["kvpubd-root-v1", lora_id, cache_salt]))
+    prev = independent_root_key(lora_id, cache_salt, algorithm)
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[start : start + block_size]
-        prev = digest(prev + struct.pack(f"<{block_size}I", *block))
+        prev = independent_digest(prev + struct.pack(f"<{block_size}I", *block), algorithm)
         out.append(prev)
     return out
 
