@@ -352,8 +352,8 @@ class _Side:
             if not pipe.poll(60):
                 raise TimeoutError(f"{name}: a decoding process never started")
             pipe.recv()  # live
-        # The decoders' answers: all of them but the forwarder's (a count of batches).
-        self.decoder_pipes = self.pipes if decoders == 1 else self.pipes[1:]
+        # With a forwarder (the first process), its answer is a count of batches, not a tally.
+        self._forwarded = decoders > 1
 
     def round(self, batches: list[Any], blocks: int) -> tuple[float, float, float]:
         """(blocks/s delivered, publisher CPU seconds per block, share of the round the
@@ -372,7 +372,7 @@ class _Side:
         self.published += len(batches)
         answers = [_answer(pipe, self.name) for pipe in self.pipes]
         cpu = time.process_time() - cpu
-        decoded = [answers[self.pipes.index(pipe)] for pipe in self.decoder_pipes]
+        decoded = answers[1:] if self._forwarded else answers
         last = max(answer[0] for answer in decoded)
         got = sum(answer[1] for answer in decoded)
         assert got == blocks, (self.name, got, blocks)
