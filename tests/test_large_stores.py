@@ -4,7 +4,10 @@ then lands on the emptied cache), and the stream stays exact."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import signal
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +16,10 @@ import numpy as np
 import pytest
 import zmq
 
-from kvpubd.daemon.stores import SYNC_BLOCKS
+from kvpubd.daemon.cache import CacheError, RankCache
+from kvpubd.daemon.sink import EventSink
+from kvpubd.daemon.stores import SYNC_BLOCKS, StoreQueue
+from kvpubd.protocol.config import CacheConfig
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
@@ -200,3 +206,33 @@ def test_release_of_a_queued_store_that_fails_is_refused(
     assert replies[0]["ok"]
     assert replies[1]["error"]["code"] == "pool_exhausted"
     assert replies[2]["error"]["code"] == "unknown_request"
+
+
+async def test_a_refused_large_store_leaves_nothing_behind() -> None:
+    """A large store the pool cannot hold is refused, and its tokens are freed as soon as the
+    caller lets go of the reply: nothing keeps them alive until a full garbage collection
+    (the error's traceback once held the store's frame, and through it the request)."""
+    sink = EventSink(block_size=BLOCK_SIZE, medium="CPU", max_events_per_tick=1 << 20)
+    cache = RankCache(CacheConfig(num_blocks=64, block_size=BLOCK_SIZE), sink, "u64")
+    queue = StoreQueue(cache)
+    tokens = np.frombuffer(packed_prompt(LARGE, 7), dtype="<u4").copy()
+    alive = weakref.ref(tokens)
+    gc.disable()
+    try:
+        result = queue.submit("too-big", tokens, None, None, None)
+        del tokens
+        errors: list[BaseException | None] = []
+        result.then(lambda _value, error: errors.append(error))
+        for _ in range(10_000):
+            if errors:
+                break
+            await asyncio.sleep(0)
+        (error,) = errors
+        assert isinstance(error, CacheError) and error.code == "pool_exhausted", error
+        del result, error
+        errors.clear()
+        assert alive() is None, "the refused store's tokens are still referenced"
+    finally:
+        gc.enable()
+        queue.close()
+        cache.pool.close()

@@ -78,6 +78,11 @@ class Pending(Generic[T]):
     def _finish(self, value: T | None, error: BaseException | None) -> None:
         if self._outcome is not None:
             return  # resolved once; a later cancel of a finished store changes nothing
+        if error is not None:
+            # Receivers want the error, not where it was raised. Its traceback holds the
+            # raising frames, whose locals (the request, megabytes of its tokens) hold this
+            # result: a cycle only a full collection would free, and those are rare here.
+            error.__traceback__ = None
         self._outcome = (value, error)
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
