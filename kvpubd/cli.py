@@ -251,8 +251,8 @@ def reset(
     server_key: ServerKeyOption = None,
 ) -> None:
     """Clear the cache and publish AllBlocksCleared at once; print each rank's marker seq."""
-    if rank is not None and rank < 0:
-        raise fail(f"--rank: {rank} is not a rank (0 or more)", USAGE)
+    if rank is not None and not 0 <= rank < MAX_RANKS:
+        raise fail(f"--rank: {rank} is not between 0 and {MAX_RANKS - 1}", USAGE)
     client = _client(control, timeout, curve_key, server_key)
     with client, _talking_to(client):
         markers = client.reset(rank, force=force).markers

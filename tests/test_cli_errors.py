@@ -70,6 +70,7 @@ BAD_ARGUMENTS: list[tuple[list[str], str]] = [
     (["subscribe", "--count", "abc"], "--count"),
     (["reset", "--timeout", "0"], "--timeout"),
     (["reset", "--rank", "-1"], "--rank"),
+    (["reset", "--rank", str(2**64)], "--rank"),  # once a msgpack OverflowError traceback
     (["ping", "--curve-key", "/nonexistent"], "--server-key"),
     (["serve", "--log-level", "bogus"], "--log-level"),
     (["serve", "--log-level", "warn"], "--log-level"),

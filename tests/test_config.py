@@ -128,6 +128,16 @@ BAD_FILES: dict[str, tuple[str, str]] = {
         "[cache]\ndata_parallel_start_rank = 10\n",
         "events.endpoint",
     ),
+    # Values libzmq cannot take once failed at bind with a traceback.
+    "hwm-past-a-c-int": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\nhwm = 2147483648\n',
+        "events.hwm",
+    ),
+    "message-bytes-past-1-gib": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\n'
+        "[control]\nmax_message_bytes = 9223372036854775807\n",
+        "control.max_message_bytes",
+    ),
     "ranks-past-the-last": (
         '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\n'
         "[cache]\ndata_parallel_start_rank = 60\ndata_parallel_size = 8\n",
@@ -166,6 +176,15 @@ def test_invalid_toml_exits_2_naming_the_file(tmp_path: Path) -> None:
     assert_nothing_bound(tmp_path)
 
 
+def test_config_that_is_not_utf8_exits_2_naming_the_file(tmp_path: Path) -> None:
+    """TOML is UTF-8: a file in another encoding stops ``serve`` with one line, no traceback."""
+    config = tmp_path / "bad.toml"
+    config.write_bytes('[events]\ntopic = "caf\u00e9"\n'.encode("latin-1"))
+    line = assert_config_error(serve(config), str(config))
+    assert "UTF-8" in line, line
+    assert_nothing_bound(tmp_path)
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "key"),
     [
@@ -186,10 +205,14 @@ def test_bad_env_value_exits_2_naming_the_key(
 
 @pytest.mark.parametrize(
     ("section", "key", "value"),
-    [("events", "hash_format", "u128"), ("cache", "hash_algorithm", "md5")],
+    [
+        ("events", "hash_format", "u128"),
+        ("cache", "hash_algorithm", "md5"),
+        ("service", "linger_ms", 2**31),  # libzmq's linger is a C int
+    ],
 )
 def test_load_settings_error_names_the_key(
-    tmp_path: Path, section: str, key: str, value: str
+    tmp_path: Path, section: str, key: str, value: object
 ) -> None:
     """load_settings raises ConfigError whose one-line message starts with the dotted key."""
     config = tmp_path / "c.toml"

@@ -41,6 +41,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 MAX_RANKS = 64
+ZMQ_INT_MAX = (1 << 31) - 1  # libzmq takes the high-water mark as a C int
 # Bytes per element of each supported KV dtype; the pool itself is raw bytes.
 DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "uint8": 1}
 
@@ -63,7 +64,7 @@ class EventsConfig(_Section):
     hash_format: Literal["u64", "i64", "bytes"] = "u64"
     replay_framing: Literal["v026", "legacy"] = "v026"
     buffer_steps: int = Field(10_000, ge=1, le=10_000_000)
-    hwm: int = Field(100_000, ge=0)
+    hwm: int = Field(100_000, ge=0, le=ZMQ_INT_MAX)
     max_events_per_tick: int = Field(50_000, ge=1)
     tick_interval_ms: float = Field(10.0, gt=0, le=60_000)
     medium: str | None = None
@@ -94,7 +95,7 @@ class EventsConfig(_Section):
 
 class ControlConfig(_Section):
     endpoint: str = Field(default_factory=default_control_endpoint)
-    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=1 << 30)
     max_tokens_per_request: int = Field(1_000_000, ge=1)
     # Full blocks one store may cover: a large store runs in slices across loop turns, so
     # this bounds its total work and memory, not how long it holds the loop.
@@ -181,7 +182,7 @@ class ServiceConfig(_Section):
     loop: Literal["uvloop", "asyncio"] = "uvloop"
     log_level: LogLevel = "info"
     # How long shutdown waits for ZeroMQ to hand queued messages to subscribers.
-    linger_ms: int = Field(2000, ge=0)
+    linger_ms: int = Field(2000, ge=0, le=3_600_000)
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -266,6 +267,10 @@ def load_settings(
             raise ConfigError(f"config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {path}: not UTF-8 text (byte {exc.start}: {exc.reason})"
+            ) from None
     for section, values in (overrides or {}).items():
         current = data.get(section)
         data[section] = {**(current if isinstance(current, dict) else {}), **values}
