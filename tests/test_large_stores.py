@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import zmq
 
+from kvpubd.client import ControlError
 from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.sink import EventSink
-from kvpubd.daemon.stores import SYNC_BLOCKS, StoreQueue
+from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.protocol.config import CacheConfig
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
-from tests.streams import chain_hashes, packed_prompt
+from tests.streams import chain_hashes, packed_prompt, prompt
 
 BLOCK_SIZE = 16
 LARGE = 4 * SYNC_BLOCKS  # full blocks of a store that takes several loop turns
@@ -208,13 +209,70 @@ def test_release_of_a_queued_store_that_fails_is_refused(
     assert replies[2]["error"]["code"] == "unknown_request"
 
 
+def test_stores_queued_past_the_bound_are_refused_busy_and_change_nothing(
+    start_daemon: DaemonFactory,
+) -> None:
+    """A client that pipelines large stores without reading the replies: once the rank's
+    queue holds QUEUED_REQUESTS largest requests' worth of tokens, further stores are refused
+    with ``busy`` (the queue drains a slice per loop turn, requests are read far faster: it
+    grew the daemon's memory without bound). Nothing of a refused store is left: its request
+    id is not open, and the stream still mirrors the cache exactly."""
+    daemon = start_daemon(
+        cache={"num_blocks": 8 * LARGE}, control={"max_tokens_per_request": HUGE * BLOCK_SIZE}
+    )
+    count = QUEUED_REQUESTS + 2
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.control_endpoint)
+    sub = subscriber("sync", daemon)
+    try:
+        with daemon.client() as client:
+            go_live(sub, client, [0])
+            replies = send_all(
+                sock,
+                *(
+                    {
+                        "op": "store",
+                        "id": i,
+                        "request_id": f"q{i}",
+                        "token_ids": packed_prompt(HUGE, 10 + i),
+                    }
+                    for i in range(count)
+                ),
+                daemon=daemon,
+            )
+            codes = {r["id"]: r["error"]["code"] if "error" in r else "ok" for r in replies}
+            # The pool holds two of them (the others find it pinned full); every store past
+            # the bound is refused before it is queued.
+            assert [codes[i] for i in range(QUEUED_REQUESTS)] == [
+                "ok",
+                "ok",
+                *["pool_exhausted"] * (QUEUED_REQUESTS - 2),
+            ], codes
+            assert [codes[i] for i in range(QUEUED_REQUESTS, count)] == ["busy", "busy"], codes
+            for i in range(QUEUED_REQUESTS, count):
+                with pytest.raises(ControlError) as refused:
+                    client.release(f"q{i}")
+                assert refused.value.code == "unknown_request"
+            assert client.stats().ranks[0].blocks_cached == 2 * HUGE
+            assert_mirror_is_snapshot(sub, client, [0])
+            # The queue took stores again once it had drained.
+            client.release("q0")
+            client.store("again", prompt(99, 2))
+    finally:
+        sub.close()
+        sock.close()
+        context.term()
+
+
 async def test_a_refused_large_store_leaves_nothing_behind() -> None:
     """A large store the pool cannot hold is refused, and its tokens are freed as soon as the
     caller lets go of the reply: nothing keeps them alive until a full garbage collection
     (the error's traceback once held the store's frame, and through it the request)."""
     sink = EventSink(block_size=BLOCK_SIZE, medium="CPU", max_events_per_tick=1 << 20)
     cache = RankCache(CacheConfig(num_blocks=64, block_size=BLOCK_SIZE), sink, "u64")
-    queue = StoreQueue(cache)
+    queue = StoreQueue(cache, max_queued_tokens=1 << 20)
     tokens = np.frombuffer(packed_prompt(LARGE, 7), dtype="<u4").copy()
     alive = weakref.ref(tokens)
     gc.disable()

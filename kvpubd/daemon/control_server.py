@@ -29,8 +29,11 @@ from kvpubd.protocol.control import ProtocolError, Request, error_reply, parse_r
 
 log = logging.getLogger("kvpubd")
 
-# Requests handled per reader wake-up before the loop gets a turn (drain ticks, replays).
+# Requests handled per reader wake-up before the loop gets a turn (drain ticks, replays), and
+# the request bytes after which it gets one sooner: reading and parsing a 4 MB store takes
+# milliseconds, so 64 of them back to back held the loop for a few hundred.
 CONTROL_BURST = 64
+CONTROL_BURST_BYTES = 1 << 20
 # Plain ints: pyzmq's send_multipart combines its flag enums per frame, which costs more than
 # the three sends themselves.
 _REPLY_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -123,6 +126,7 @@ class ControlServer:
         sock = self._sock
         if sock is None:
             return
+        budget = CONTROL_BURST_BYTES
         for _ in range(CONTROL_BURST):
             if not readable(sock):
                 return
@@ -132,6 +136,10 @@ class ControlServer:
                 self._send(frames[0], reply)
             elif reply is not None:
                 reply.then(functools.partial(self._send_settled, frames[0]))
+            budget -= len(frames[-1])
+            if budget <= 0:
+                break
+        # More may be waiting: the loop gets a turn first.
         asyncio.get_running_loop().call_soon(self._serve)
 
     def handle_frames(self, frames: list[bytes]) -> Reply | None:

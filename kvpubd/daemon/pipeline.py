@@ -22,7 +22,7 @@ from kvpubd.daemon.publisher import Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
-from kvpubd.daemon.stores import SYNC_BLOCKS, StoreQueue, StoreResult
+from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue, StoreResult
 from kvpubd.protocol.config import Settings, rank_endpoint
 from kvpubd.protocol.wire import BlockStored
 
@@ -80,7 +80,9 @@ class RankPipeline:
             pool_name=pool_segment_name(settings.control.endpoint, rank),
         )
         self.resets = 0
-        self._stores = StoreQueue(self.cache)
+        self._stores = StoreQueue(
+            self.cache, QUEUED_REQUESTS * settings.control.max_tokens_per_request
+        )
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
         # Replays of history the ring no longer holds start from a snapshot batch.

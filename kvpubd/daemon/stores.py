@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 SYNC_BLOCKS = 512  # full blocks a store may cover and still run in one loop step
 SLICE_BLOCKS = 512  # blocks hashed, or inserted, per loop turn
+# Largest requests' worth of tokens the queue holds before it refuses more stores (busy): a
+# client that pipelines stores without reading the replies cannot grow the daemon's memory
+# without bound (the queue drains one slice per loop turn; requests are read much faster).
+QUEUED_REQUESTS = 4
 
 StoreResult = tuple[list[int], int]  # block ids, cached tokens
 
@@ -40,10 +44,12 @@ class _Queued:
 
 
 class StoreQueue:
-    def __init__(self, cache: RankCache) -> None:
+    def __init__(self, cache: RankCache, max_queued_tokens: int) -> None:
         self._cache = cache
         self._queue: deque[_Queued] = deque()
         self._task: asyncio.Task[None] | None = None
+        self.max_queued_tokens = max_queued_tokens
+        self.queued_tokens = 0
 
     @property
     def busy(self) -> bool:
@@ -67,8 +73,17 @@ class StoreQueue:
         lora_name: str | None,
         cache_salt: str | None,
     ) -> Pending[StoreResult]:
+        """Queue a store; raises CacheError ``busy`` (changing nothing) while the queue holds
+        ``max_queued_tokens`` tokens. An empty queue takes any store."""
+        if self._queue and self.queued_tokens + len(tokens) > self.max_queued_tokens:
+            raise CacheError(
+                "busy",
+                f"{len(self._queue)} stores of {self.queued_tokens} tokens are queued on this "
+                "rank; retry once their replies came",
+            )
         item = _Queued(request_id, tokens, lora_id, lora_name, cache_salt)
         self._queue.append(item)
+        self.queued_tokens += len(tokens)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="kvpubd large stores")
         return item.result
@@ -79,6 +94,7 @@ class StoreQueue:
         for item in self._queue:
             item.result.fail(asyncio.CancelledError())
         self._queue.clear()
+        self.queued_tokens = 0
 
     async def _run(self) -> None:
         while self._queue:
@@ -97,6 +113,7 @@ class StoreQueue:
                 # finished is answered ahead of it.
                 item.result.resolve(result)
             self._queue.popleft()
+            self.queued_tokens -= len(item.tokens)
 
     async def _store(self, item: _Queued) -> StoreResult:
         cache = self._cache
