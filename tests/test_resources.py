@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import resource
 import shutil
 import socket
@@ -103,6 +104,53 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
             conn.close()
         sub.close()
         context.term()
+        try:
+            if daemon.alive():
+                assert daemon.stop() == 0, daemon.log()
+            else:
+                pytest.fail(f"the daemon died:\n{daemon.log()[-3000:]}")
+        finally:
+            daemon.cleanup()
+
+
+def test_ipc_connection_flood_is_held_to_the_cap_and_the_daemon_lives(many_fds: None) -> None:
+    """Connections to the ipc control socket of a daemon limited to 256 fds, none of them ever
+    greeting (a client leaking connections, or a hostile one of the same user). libzmq
+    accepted every one until an accept found no fd and aborted the daemon ('Too many open
+    files'). Now, wave after wave, the daemon holds no more than its cap: the ones past it are
+    hung up, and at the cap the socket file is renamed aside so that new ones fail at once.
+    Once the flood is gone the listener takes connections again and answers a reset."""
+    daemon = Daemon()
+    flood: list[socket.socket] = []
+    try:
+        daemon.start(preexec_fn=low_fd_limit)
+        assert daemon.proc is not None
+        fds = Path(f"/proc/{daemon.proc.pid}/fd")
+        cap = int(re.search(r"at most (\d+) per listener", daemon.log()).group(1))  # type: ignore[union-attr]
+        baseline = len(os.listdir(fds))
+        path = daemon.control_endpoint.removeprefix("ipc://")
+        wave = 2 * cap  # past the cap, well within the fds the daemon keeps in reserve
+        for _ in range(FLOOD // wave):
+            for _ in range(wave):
+                conn = socket.socket(socket.AF_UNIX)
+                conn.setblocking(False)
+                conn.connect_ex(path)  # fails (ENOENT) while the cap holds
+                flood.append(conn)
+            wait_for(
+                lambda: len(os.listdir(fds)) <= baseline + cap,
+                what=f"the daemon to hold at most {cap} flood connections",
+            )
+        assert "the cap; refusing new ones" in daemon.log()
+        assert daemon.alive(), daemon.log()[-3000:]
+        for conn in flood:
+            conn.close()
+        wait_for(lambda: "accepting again" in daemon.log(), what="the cap to lift")
+        with daemon.client() as client:
+            client.reset(force=True)
+        assert daemon.alive()
+    finally:
+        for conn in flood:
+            conn.close()
         try:
             if daemon.alive():
                 assert daemon.stop() == 0, daemon.log()

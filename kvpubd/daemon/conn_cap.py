@@ -1,4 +1,4 @@
-"""A connection cap for a bound ZeroMQ TCP socket: stop admitting while it holds ``cap``.
+"""A connection cap for a bound ZeroMQ TCP or ipc socket: stop admitting while it holds ``cap``.
 
 libzmq has no such limit of its own, and running out of file descriptors is fatal to it: an
 ipc listener's accept that fails with EMFILE aborts the whole process, so idle TCP connections
@@ -8,7 +8,16 @@ monitor counts accepted and closed connections; at the cap a drop-everything soc
 them) while every established connection stays; below three quarters of the cap it comes off.
 (Unbinding would not do: libzmq closes every connection of an endpoint it unbinds.)
 Connections that never finish the ZMTP handshake are dropped by libzmq after
-``HANDSHAKE_IVL_MS``, which is what frees the cap from an idle flood."""
+``zmq_loop.HANDSHAKE_IVL_MS`` (set on each listener before it binds), which is what frees the
+cap from an idle flood.
+
+An ipc listener's gate is its name: at the cap the socket file is renamed aside (connects
+then fail with ENOENT and libzmq's clients retry, while every established connection stays)
+and renamed back below three quarters (a Unix socket's connection requests are not packets a
+filter could drop, and shutting the listener down cannot be undone). Abstract-namespace names
+have no file: there, as for every connection accepted before a gate closed, a connection over
+the cap is hung up as soon as it is accepted. So a leaking or hostile client of the same user
+can no longer make libzmq abort the daemon."""
 
 from __future__ import annotations
 
@@ -25,19 +34,22 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvpubd.daemon.zmq_loop import readable, reader_fd
+from kvpubd.protocol.endpoints import CAPPED_SUFFIX
 
 log = logging.getLogger("kvpubd")
 
 ZMQ_BACKLOG = 100  # libzmq's default accept queue
-HANDSHAKE_IVL_MS = 10_000  # a peer that has not greeted within this is disconnected
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
 class ConnectionCap:
-    """Counts ``sock``'s connections on the TCP endpoint ``bound`` and holds them to ``cap``.
-    Served from the daemon's loop; ``create`` returns None where no cap can be put on."""
+    """Counts ``sock``'s connections on the TCP or ipc endpoint ``bound`` and holds them to
+    ``cap``. Served from the daemon's loop; ``create`` returns None where no cap can be put
+    on."""
 
-    def __init__(self, sock: zmq.Socket, gate: ListenerGate, cap: int, name: str) -> None:
+    def __init__(
+        self, sock: zmq.Socket, gate: ListenerGate | IpcListener, cap: int, name: str
+    ) -> None:
         self.sock = sock
         self.gate = gate
         self.cap = max(1, cap)
@@ -46,12 +58,13 @@ class ConnectionCap:
         self.peak = 0
         self.pauses = 0  # times the cap was reached
         self.kicked = 0  # connections hung up on, over the cap
-        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def create(cls, sock: zmq.Socket, bound: str, cap: int, name: str) -> ConnectionCap | None:
+        if bound.startswith("ipc://"):
+            return cls(sock, IpcListener(bound), cap, name)
         fd = listening_fd(bound)
         if fd is None:
             return None
@@ -103,10 +116,62 @@ class ConnectionCap:
         )
 
     def close(self) -> None:
+        if self.gate.closed:  # an ipc socket file goes back where its owner removes it
+            self.gate.open()
         if self._loop is not None:
             self._loop.remove_reader(self.fd)
         self.sock.disable_monitor()
         self._monitor.close(linger=0)
+
+
+class IpcListener:
+    """The gate of an ipc listener: its socket file, renamed aside while closed."""
+
+    def __init__(self, bound: str) -> None:
+        name = bound.removeprefix("ipc://")
+        abstract = name.startswith("@")
+        # getsockname() of an accepted connection names the listener; "@" is Linux's
+        # abstract namespace, a leading NUL there.
+        self.name = "\0" + name[1:] if abstract else name
+        self.path = None if abstract else name
+        self.aside = name + CAPPED_SUFFIX
+        self.closed = False
+
+    def hang_up(self, fd: int) -> bool:
+        """Shut down the connection libzmq accepted as ``fd``, once checked to be a connection
+        to this listener (not a number reused meanwhile)."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return False
+        try:
+            if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+                return False
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            name = sock.getsockname()
+            if (name.decode(errors="replace") if isinstance(name, bytes) else name) != self.name:
+                return False
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
+        finally:
+            sock.detach()
+
+    def close(self) -> None:
+        if self.path is not None:
+            os.replace(self.path, self.aside)
+        self.closed = True
+
+    def open(self) -> None:
+        if self.path is not None:
+            try:
+                os.replace(self.aside, self.path)
+            except OSError as exc:
+                log.error("cannot open a listener again: %s", exc)
+                return
+        self.closed = False
 
 
 SO_ATTACH_FILTER = 26  # Linux <asm-generic/socket.h>

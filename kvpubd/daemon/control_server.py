@@ -22,7 +22,7 @@ import zmq
 from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
-from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, pin_io_thread, readable, reader_fd
+from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, listener, readable, reader_fd
 from kvpubd.protocol.auth import CurveServer
 from kvpubd.protocol.config import ControlConfig
 from kvpubd.protocol.control import ProtocolError, Request, error_reply, parse_request
@@ -75,8 +75,7 @@ class ControlServer:
         """Bind the ROUTER (the caller holds the endpoint's lock, so any socket file there is
         a dead daemon's)."""
         config = self._config
-        sock = self._sock = self._context.socket(zmq.ROUTER)
-        pin_io_thread(sock, LIVE_AFFINITY, self._context)
+        sock = self._sock = listener(self._context.socket(zmq.ROUTER), LIVE_AFFINITY, self._context)
         sock.setsockopt(zmq.LINGER, 0)
         if config.curve_secret_key:
             self._curve = CurveServer(

@@ -25,7 +25,7 @@ from kvpubd.daemon.snapshot import Buffer, Snapshot
 from kvpubd.daemon.zmq_loop import (
     LIVE_AFFINITY,
     REPLAY_AFFINITY,
-    pin_io_thread,
+    listener,
     readable,
     reader_fd,
 )
@@ -133,8 +133,7 @@ class Publisher:
         ) = None
         self._replay_fd: int | None = None
 
-        self.pub = context.socket(zmq.PUB)
-        pin_io_thread(self.pub, LIVE_AFFINITY, context)
+        self.pub = listener(context.socket(zmq.PUB), LIVE_AFFINITY, context)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
         self.pub.setsockopt(zmq.LINGER, linger_ms)
         self.pub.bind(endpoint)
@@ -143,8 +142,7 @@ class Publisher:
         self.replay: zmq.Socket | None = None
         self.replay_endpoint = ""
         if replay_endpoint:
-            self.replay = context.socket(zmq.ROUTER)
-            pin_io_thread(self.replay, REPLAY_AFFINITY, context)
+            self.replay = listener(context.socket(zmq.ROUTER), REPLAY_AFFINITY, context)
             # A full replay (the whole ring, a snapshot batch and the end marker) always fits.
             self.replay.setsockopt(zmq.SNDHWM, 2 * (self.max_retained + 2))
             self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_MESSAGE_BYTES)

@@ -282,8 +282,8 @@ class Service:
             raise StartupError(f"cannot lock an endpoint: {exc}") from None
 
     def _cap_connections(self) -> None:
-        """Share the fds left after start-up (less a reserve) among the TCP listeners, so that
-        no flood of connections can use up the last one (see conn_cap)."""
+        """Share the fds left after start-up (less a reserve) among the listeners, so that no
+        flood of connections can use up the last one (see conn_cap)."""
         assert self.control is not None and self.control.socket is not None
         listeners = [(self.control.socket, self.control_endpoint, "control")]
         for pipeline in self.pipelines:
@@ -304,7 +304,7 @@ class Service:
         if metrics_on:
             self.metrics.max_connections = cap  # type: ignore[attr-defined]
         log.debug(
-            "connections: at most %d per TCP listener (%d fds open, limit %d)",
+            "connections: at most %d per listener (%d fds open, limit %d)",
             cap,
             resources.open_fds(),
             resources.fd_limit(),

@@ -32,8 +32,17 @@ def new_context() -> zmq.Context:
     return zmq.Context(io_threads=IO_THREADS)
 
 
-def pin_io_thread(sock: zmq.Socket, affinity: int, context: zmq.Context) -> None:
-    """Serve ``sock`` from the I/O threads in ``affinity``, where the context has them (a
-    mask naming no existing thread would leave the socket without one)."""
+# A peer that has not greeted within this is disconnected (libzmq's default is 30 s): what
+# frees the connection caps from an idle flood.
+HANDSHAKE_IVL_MS = 10_000
+
+
+def listener(sock: zmq.Socket, affinity: int, context: zmq.Context) -> zmq.Socket:
+    """Set up a socket about to be bound: served from the I/O threads in ``affinity`` where the
+    context has them (a mask naming no existing thread would leave the socket without one),
+    peers that never greet dropped after HANDSHAKE_IVL_MS. Before the bind: libzmq copies a
+    socket's options into each listener when it binds, so later settings miss it."""
     if affinity < 1 << context.get(zmq.IO_THREADS):
         sock.setsockopt(zmq.AFFINITY, affinity)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+    return sock

@@ -53,12 +53,20 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
+# While a daemon's ipc listener is at its connection cap, its socket file lies renamed with
+# this suffix: new connections fail and are retried until it is back.
+CAPPED_SUFFIX = ".capped"
+
+
 def missing_ipc_socket(endpoint: str) -> str | None:
     """The path of an ipc endpoint whose socket file does not exist (None otherwise): nobody
-    can answer there, so waiting for a reply is pointless."""
+    can answer there, so waiting for a reply is pointless. A listener at its connection cap
+    is there: it answers once connections close."""
     if not endpoint.startswith("ipc://"):
         return None
     path = endpoint.removeprefix("ipc://")
     if path.startswith("@") or os.path.exists(path):  # "@": Linux abstract namespace
+        return None
+    if os.path.exists(path + CAPPED_SUFFIX):
         return None
     return path
