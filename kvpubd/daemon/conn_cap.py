@@ -22,6 +22,7 @@ can no longer make libzmq abort the daemon."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -136,6 +137,9 @@ class IpcListener:
         self.path = None if abstract else name
         self.aside = name + CAPPED_SUFFIX
         self.closed = False
+        if self.path is not None:  # bound under the endpoint's lock: any such file is stale
+            with contextlib.suppress(OSError):
+                os.unlink(self.aside)
 
     def hang_up(self, fd: int) -> bool:
         """Shut down the connection libzmq accepted as ``fd``, once checked to be a connection
