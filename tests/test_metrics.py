@@ -177,6 +177,10 @@ def test_http_edges(start_daemon: StartDaemon) -> None:
     content_type, text = scrape(url, accept="application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     assert text.endswith("# EOF\n")
+    # A version prometheus-client cannot parse got no answer and a logged traceback.
+    for accept in ("application/openmetrics-text; version=abc", "text/plain; version=x.y"):
+        content_type, text = scrape(url, accept=accept)
+        assert content_type.startswith("text/plain") and "kvpubd_build_info" in text
 
     with urllib.request.urlopen(url.replace("/metrics", "/healthz"), timeout=10) as health:
         assert health.status == 200 and health.read() == b"ok\n"

@@ -183,7 +183,10 @@ class Metrics:
             name, _, value = line.partition(":")
             if name.strip().lower() == "accept":
                 accept = value.strip()
-        encoder, content_type = choose_encoder(accept)
+        try:
+            encoder, content_type = choose_encoder(accept)
+        except (TypeError, ValueError):  # e.g. "version=abc": prometheus-client cannot parse it
+            encoder, content_type = choose_encoder("")  # the plain text format, as for no Accept
         return "200 OK", content_type, encoder(self.registry)
 
 
