@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import numpy as np
+
 from kvpubd.client import replay
 from kvpubd.daemon.publisher import REPLAY_CHUNK
 from kvpubd.protocol.config import rank_endpoint
@@ -14,6 +16,11 @@ from tests.daemon import Daemon
 from tests.streams import concurrent_replays
 
 BATCHES = 5 * REPLAY_CHUNK + 17
+RING_STORES = 600
+# Blocks of 4 tokens, 1100 a store: each store goes out at once (FLUSH_BLOCKS) as a batch of
+# about 35 kB, under the size pyzmq would send without a copy anyway (about 21 MB in all).
+RING_BLOCK_SIZE, RING_STORE_BLOCKS = 4, 1100
+IDLE_REPLAYS = 5
 
 
 def publish_batches(daemon: Daemon, count: int) -> int:
@@ -98,4 +105,54 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
     finally:
         dealer.close(linger=0)
         publisher.close()
+        context.term()
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_replays_nobody_reads_share_the_rings_memory(start_daemon: DaemonFactory) -> None:
+    """Clients that ask for the whole ring and never read: the batches queued for them are the
+    ring's own bytes, not a copy each (each such client held a ring's worth of daemon memory,
+    and nothing but the connection cap bounded how many there were)."""
+    import zmq
+
+    from kvpubd.protocol.wire import pack_seq
+
+    daemon = start_daemon(
+        cache={"num_blocks": 4096, "block_size": RING_BLOCK_SIZE},
+        events={"buffer_steps": 4096},
+    )
+    assert daemon.proc is not None
+    rng = np.random.default_rng(0)
+    with daemon.client() as client:
+        for i in range(RING_STORES):
+            tokens = rng.integers(1, 60_000, RING_BLOCK_SIZE * RING_STORE_BLOCKS, dtype="<u4")
+            client.store(f"r{i}", tokens.tobytes())
+            client.release(f"r{i}")
+    endpoint = rank_endpoint(daemon.replay_endpoint, 0)
+    ring = sum(len(payload) for _, payload in replay(endpoint, 0, timeout=20))
+    before = resident_bytes(daemon.proc.pid)
+    context = zmq.Context()
+    idle = []
+    try:
+        for _ in range(IDLE_REPLAYS):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 1)  # what it is sent stays queued in the daemon
+            sock.setsockopt(zmq.RCVBUF, 4096)
+            sock.connect(endpoint)
+            sock.send_multipart([b"", pack_seq(0)])
+            idle.append(sock)
+        # Replays take turns: once one that reads has all of it, so have the others.
+        assert sum(len(payload) for _, payload in replay(endpoint, 0, timeout=20)) == ring
+        grown = resident_bytes(daemon.proc.pid) - before
+        assert grown < ring, (grown, ring)
+    finally:
+        for sock in idle:
+            sock.close()
         context.term()

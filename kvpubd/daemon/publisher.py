@@ -48,7 +48,6 @@ REPLAY_SLICE_S = 0.0005  # replay work per loop turn
 # Batches the ring may keep beyond buffer_steps for the replays in progress (buffer_steps if
 # larger): what goes out while a snapshot batch of lost history is put together.
 REPLAY_EXTRA_BATCHES = 4096
-ZERO_COPY_BYTES = 65536  # pyzmq's own threshold: below it a copy is cheaper than tracking
 _MORE = int(zmq.SNDMORE)  # a plain int: combining pyzmq's flag enums costs per frame
 
 
@@ -149,6 +148,9 @@ class Publisher:
             # Errors instead of silent drops: a gone or stalled peer ends its replay early.
             self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self.replay.setsockopt(zmq.LINGER, 0)
+            # Payloads go without a copy whatever their size (pyzmq copies those under 64 kB
+            # even when asked not to): every replay shares the ring's bytes.
+            self.replay.copy_threshold = 0
             self.replay.bind(replay_endpoint)
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -338,8 +340,9 @@ class Publisher:
             for seq_frame, payload in islice(ring, skip, skip + limit):
                 for frame in (*head, seq_frame):
                     sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
-                # Large payloads go zero-copy: many replays then share the ring's bytes.
-                sock.send(payload, zmq.NOBLOCK, copy=len(payload) < ZERO_COPY_BYTES)
+                # A copy per replay let each client that never reads hold a whole ring's
+                # worth of daemon memory.
+                sock.send(payload, zmq.NOBLOCK, copy=False)
                 sent += 1
             replay.next_seq = max(replay.next_seq, first + skip + sent)
             if first + skip + sent < self._next_seq:
