@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import zmq
+from zmq.utils.garbage import gc as zmq_garbage
 
 from tests.daemon import Daemon
 
@@ -35,7 +36,10 @@ def daemon(start_daemon: DaemonFactory) -> Daemon:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Close every ZeroMQ context a test left open, its sockets with linger 0: a leaked socket
     with an unsent message would otherwise block the interpreter's exit for ever (a context's
-    finaliser waits for its sockets' linger)."""
+    finaliser waits for its sockets' linger). pyzmq's own garbage-collector thread (which
+    frees messages sent without a copy) is stopped first, the way it stops itself: its
+    context destroyed under it, the thread aborts the process."""
+    zmq_garbage.stop()
     for obj in gc.get_objects():
         if isinstance(obj, zmq.Context) and not obj.closed:
             obj.destroy(linger=0)
