@@ -156,3 +156,53 @@ def test_replays_nobody_reads_share_the_rings_memory(start_daemon: DaemonFactory
         for sock in idle:
             sock.close()
         context.term()
+
+
+async def test_a_replay_waiting_for_its_snapshot_ends_quietly_when_the_publisher_closes(
+    tmp_path: Path,
+) -> None:
+    """Shutdown while a replay of lost history waits for its snapshot batch: when the batch
+    then settles, nothing runs against the closed replay socket (a pump scheduled then raised
+    ZMQError tracebacks after the daemon said it had stopped)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import zmq
+
+    from kvpubd.daemon.publisher import Publisher
+    from kvpubd.protocol.wire import pack_seq
+
+    loop = asyncio.get_running_loop()
+    failures: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: failures.append(context))
+    snapshot: asyncio.Future[object] = loop.create_future()  # never built
+    context = zmq.Context()
+    publisher = Publisher(
+        context,
+        endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=2,
+    )
+    publisher.lost_history = lambda: SimpleNamespace(result=snapshot)  # type: ignore[assignment,return-value]
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        publisher.start()
+        for _ in range(5):
+            publisher.publish([])  # the ring keeps the last two: seq 0 is lost history
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart([b"", pack_seq(0)])
+        deadline = time.monotonic() + 10
+        while not publisher.replays_in_progress:
+            assert time.monotonic() < deadline, "the replay was never accepted"
+            await asyncio.sleep(0.001)
+        publisher.close()
+        snapshot.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert failures == []
+        assert publisher.replays_in_progress == 0
+    finally:
+        dealer.close()
+        publisher.close()
+        context.term()

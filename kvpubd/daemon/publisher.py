@@ -357,6 +357,11 @@ class Publisher:
         self.stop()
         if self.replay is not None:
             self.replay.close()
+            # A pump already scheduled, or a snapshot batch finished later, finds no socket
+            # and no replays (they once raised on the closed socket during shutdown).
+            self.replay = None
+            self._replays.clear()
+            self._waiting.clear()
         self.pub.close()
         for endpoint in (self.endpoint, self.replay_endpoint):
             if endpoint.startswith("ipc://"):
