@@ -189,7 +189,10 @@ def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> No
         config,
         {
             "control": {"endpoint": f"ipc://{tmp_path}/control"},
-            "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+            "events": {
+                "endpoint": f"ipc://{tmp_path}/ev",
+                "replay_endpoint": f"ipc://{tmp_path}/replay",
+            },
             "cache": {
                 "num_blocks": free // block_bytes + 64,
                 **geometry,
@@ -201,6 +204,10 @@ def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> No
     error = one_error_line(result.stderr)
     assert error.startswith("kvpubd: cannot start: pool (") and "MiB free" in error
     assert "does not fit in /dev/shm" in error
+    # The rank's sockets were bound before its pool was refused: their files are gone too
+    # (left behind, they looked like a running daemon to clients).
+    sockets = [p.name for p in tmp_path.iterdir() if p.is_socket()]
+    assert sockets == [], sockets
 
 
 @pytest.fixture

@@ -72,13 +72,19 @@ class RankPipeline:
             medium=settings.medium,
             max_events_per_tick=events.max_events_per_tick,
         )
-        self.cache = RankCache(
-            settings.cache,
-            self.sink,
-            events.hash_format,
-            rank,
-            pool_name=pool_segment_name(settings.control.endpoint, rank),
-        )
+        try:
+            self.cache = RankCache(
+                settings.cache,
+                self.sink,
+                events.hash_format,
+                rank,
+                pool_name=pool_segment_name(settings.control.endpoint, rank),
+            )
+        except BaseException:
+            # Never handed to the service, so never closed by it: its ipc socket files
+            # would outlive a failed start and look like a running daemon to clients.
+            self.publisher.close()
+            raise
         self.resets = 0
         self._stores = StoreQueue(
             self.cache, QUEUED_REQUESTS * settings.control.max_tokens_per_request
