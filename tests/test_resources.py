@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvpubd.daemon.pool import PoolDoesNotFit, check_shm_space, reserve_pages
+from kvpubd.daemon.pool import PoolDoesNotFit, check_shm_space, pool_segment_name, reserve_pages
 from kvpubd.protocol.config import CacheConfig
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
 from kvpubd.tools.launcher import free_tcp_ports
@@ -267,3 +267,50 @@ def test_daemon_in_a_small_dev_shm_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     error = one_error_line(result.stderr)
     assert "does not fit in /dev/shm" in error and "64.0 MiB free of 64.0 MiB" in error
+
+
+def test_a_dead_runs_segment_does_not_count_against_the_new_pool(tmp_path: Path) -> None:
+    """A run killed with its resource tracker leaves its pool segment in a 64 MiB /dev/shm;
+    the next start on the same config replaces it. The space check once ran before the
+    replacement, counted the dead segment as used, and refused every later start (exit 2)."""
+    control = f"ipc://{tmp_path}/control"
+    config = tmp_path / "kvpubd.toml"
+    block_bytes = CacheConfig().block_bytes
+    blocks = (40 << 20) // block_bytes  # 40 MiB: it fits only once the dead 40 MiB are gone
+    write_config(
+        config,
+        {
+            "control": {"endpoint": control},
+            "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+            "cache": {"num_blocks": blocks},
+        },
+    )
+    stale = f"/dev/shm/{pool_segment_name(control, 0)}"
+    script = (
+        "mount -t tmpfs -o size=64m tmpfs /dev/shm || exit 99; "
+        f'head -c {40 << 20} /dev/zero > {stale} && exec timeout -s TERM 3 "$@"'
+    )
+    result = serve(config, ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh"])
+    if result.returncode == 99 or "unshare failed" in result.stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {result.stderr.strip()}")
+    assert "removed stale shared memory segment" in result.stderr, result.stderr
+    assert "ready:" in result.stderr and "stopped" in result.stderr, result.stderr
+
+
+def test_an_fd_limit_too_low_to_serve_is_refused_at_start(tmp_path: Path) -> None:
+    """At 64 fds the reserve left the listeners nothing: the daemon started, and a hundred
+    local subscribers later libzmq aborted it. Now it does not start: one line, exit 1,
+    nothing left behind."""
+    config = tmp_path / "kvpubd.toml"
+    write_config(
+        config,
+        {
+            "control": {"endpoint": f"ipc://{tmp_path}/control"},
+            "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+        },
+    )
+    result = serve(config, ["prlimit", "--nofile=64:64"])
+    assert result.returncode == 1, result.stderr
+    error = one_error_line(result.stderr)
+    assert "file descriptor limit is 64" in error and "at least 128" in error, error
+    assert [p.name for p in tmp_path.iterdir() if p.is_socket()] == []

@@ -8,6 +8,7 @@ again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -133,13 +134,16 @@ class HostPool(BlockPool):
         name = name or f"kvpubd-{os.getpid()}-{secrets.token_hex(6)}"
         size = num_blocks * block_bytes
         what = f"pool ({num_blocks} blocks of {block_bytes} bytes, {_mib(size)})"
+        if (SHM_DIR / name).exists():
+            # Before the space check: a dead run's segment of this name holds space it frees.
+            name = _replace_stale_segment(name)
         check_shm_space(size, what)
         # A fresh segment reads as zeros; the resource tracker unlinks it if only we are killed.
         try:
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            self._shm = _create_segment(name, size)
         except FileExistsError:
             name = _replace_stale_segment(name)
-            self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            self._shm = _create_segment(name, size)
         try:
             reserve_pages(self._shm._fd, size, what)  # type: ignore[attr-defined]
         except PoolDoesNotFit:
@@ -279,6 +283,20 @@ def reserve_pages(fd: int, size: int, what: str, directory: Path = SHM_DIR) -> N
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
+
+
+def _create_segment(name: str, size: int) -> shared_memory.SharedMemory:
+    """A new segment ``name`` (FileExistsError if there is one). If creating fails after
+    shm_open made it (the resource tracker's registration needs a pipe, so at the fd limit it
+    fails last), the segment is removed rather than left in /dev/shm."""
+    try:
+        return shared_memory.SharedMemory(name=name, create=True, size=size)
+    except FileExistsError:
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            (SHM_DIR / name).unlink()
+        raise
 
 
 def _replace_stale_segment(name: str) -> str:

@@ -151,7 +151,11 @@ class Publisher:
             # Payloads go without a copy whatever their size (pyzmq copies those under 64 kB
             # even when asked not to): every replay shares the ring's bytes.
             self.replay.copy_threshold = 0
-            self.replay.bind(replay_endpoint)
+            try:
+                self.replay.bind(replay_endpoint)
+            except zmq.ZMQError:
+                self.close()  # the PUB socket's file must not outlive a failed start
+                raise
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
     @property

@@ -17,6 +17,9 @@ log = logging.getLogger("kvpubd")
 # the overshoot of a connection flood before its listener stops accepting.
 FD_RESERVE_MIN = 64
 FD_RESERVE_FRACTION = 0.5
+# Below this the reserve leaves the listeners no connections at all: a start would only
+# fail later, at the first few clients (libzmq aborts when an accept finds no fd).
+MIN_FD_LIMIT = 128
 
 
 def raise_fd_limit() -> int:

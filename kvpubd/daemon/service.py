@@ -168,6 +168,12 @@ class Service:
         for line in self._start_lines:
             log.info("%s", line)
         resources.raise_fd_limit()
+        limit = resources.fd_limit()
+        if limit < resources.MIN_FD_LIMIT:
+            raise StartupError(
+                f"the file descriptor limit is {limit}: kvpubd needs at least "
+                f"{resources.MIN_FD_LIMIT} (raise it with ulimit -n or LimitNOFILE=)"
+            )
         self._context = new_context()
         self.control = ControlServer(
             self._context, self.settings.control, self.operations.handle, self.metrics
