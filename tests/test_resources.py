@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvpubd.daemon.pool import PoolDoesNotFit, check_shm_space, pool_segment_name, reserve_pages
+from kvpubd.daemon.pool import (
+    INDEX_BYTES_PER_BLOCK,
+    PoolDoesNotFit,
+    check_shm_space,
+    pool_segment_name,
+    reserve_pages,
+)
 from kvpubd.protocol.config import CacheConfig
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
 from kvpubd.tools.launcher import free_tcp_ports
@@ -314,3 +320,30 @@ def test_an_fd_limit_too_low_to_serve_is_refused_at_start(tmp_path: Path) -> Non
     error = one_error_line(result.stderr)
     assert "file descriptor limit is 64" in error and "at least 128" in error, error
     assert [p.name for p in tmp_path.iterdir() if p.is_socket()] == []
+
+
+def test_a_cache_larger_than_memory_is_refused_before_it_is_allocated(tmp_path: Path) -> None:
+    """Blocks whose index would need twice the memory available: exit 2 naming the sizes,
+    before anything is allocated (the index's lists were a MemoryError traceback, or with
+    overcommit the OOM killer under load)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available = (int(fields["MemAvailable"].split()[0]) + int(fields["SwapFree"].split()[0])) << 10
+    blocks = 2 * available // INDEX_BYTES_PER_BLOCK
+    geometry = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
+    pool = blocks * CacheConfig(**geometry).block_bytes
+    stats = os.statvfs("/dev/shm")
+    if blocks >= 1 << 31 or pool > stats.f_bavail * stats.f_frsize:
+        pytest.skip("the pool of such a cache would not fit in cache.num_blocks or /dev/shm")
+    config = tmp_path / "kvpubd.toml"
+    write_config(
+        config,
+        {
+            "control": {"endpoint": f"ipc://{tmp_path}/control"},
+            "events": {"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+            "cache": {"num_blocks": blocks, **geometry},
+        },
+    )
+    result = serve(config)
+    assert result.returncode == 2, result.stderr
+    error = one_error_line(result.stderr)
+    assert f"of {blocks} blocks) needs about" in error and "is available" in error, error

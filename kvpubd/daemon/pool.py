@@ -133,7 +133,7 @@ class HostPool(BlockPool):
         super().__init__(num_blocks, block_bytes, scrub_on_free)
         name = name or f"kvpubd-{os.getpid()}-{secrets.token_hex(6)}"
         size = num_blocks * block_bytes
-        what = f"pool ({num_blocks} blocks of {block_bytes} bytes, {_mib(size)})"
+        what = describe_pools(1, num_blocks, block_bytes)
         if (SHM_DIR / name).exists():
             # Before the space check: a dead run's segment of this name holds space it frees.
             name = _replace_stale_segment(name)
@@ -252,17 +252,45 @@ class CudaPool(BlockPool):
         self._memory = None
 
 
-def check_shm_space(size: int, what: str, directory: Path = SHM_DIR) -> None:
-    """PoolDoesNotFit unless ``directory`` (a tmpfs) has ``size`` bytes free."""
+def check_shm_space(size: int, what: str, directory: Path = SHM_DIR, reclaimable: int = 0) -> None:
+    """PoolDoesNotFit unless ``directory`` (a tmpfs) has ``size`` bytes free, counting
+    ``reclaimable`` bytes of dead runs' segments that starting removes as free."""
     try:
         stats = os.statvfs(directory)
     except OSError:
         return  # no such filesystem here (not Linux): shm_open reports what it must
-    free = stats.f_bavail * stats.f_frsize
+    free = stats.f_bavail * stats.f_frsize + reclaimable
     if size > free:
         raise PoolDoesNotFit(
             f"{what} does not fit in {directory}: {_mib(free)} free of "
             f"{_mib(stats.f_blocks * stats.f_frsize)}{_SHM_HINT}"
+        )
+
+
+# Memory each cached block costs beyond its pool bytes at full occupancy: the index, the
+# published record and the token table's Python side (measured: about 380 bytes).
+INDEX_BYTES_PER_BLOCK = 400
+
+
+def cache_bytes(num_blocks: int, block_size: int, pool_bytes: int) -> int:
+    """Memory one rank's cache takes once full: index and token table, and its pool when
+    that lives in host memory (``pool_bytes``; 0 for a GPU pool)."""
+    return num_blocks * (INDEX_BYTES_PER_BLOCK + 4 * block_size) + pool_bytes
+
+
+def check_memory(size: int, what: str, meminfo: Path = Path("/proc/meminfo")) -> None:
+    """PoolDoesNotFit unless ``size`` bytes fit in available memory and swap: a cache larger
+    than the machine would be found out by the OOM killer, under load, not by a log line."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        available = int(fields["MemAvailable"].split()[0]) + int(fields["SwapFree"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return  # not Linux: nothing to check against
+    available *= 1024
+    if size > available:
+        raise PoolDoesNotFit(
+            f"{what} needs about {_mib(size)} of memory once full: {_mib(available)} is "
+            "available (lower cache.num_blocks)"
         )
 
 
@@ -283,6 +311,13 @@ def reserve_pages(fd: int, size: int, what: str, directory: Path = SHM_DIR) -> N
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB"
+
+
+def describe_pools(ranks: int, num_blocks: int, block_bytes: int) -> str:
+    """How errors name the host pool(s) of ``ranks`` ranks."""
+    size = num_blocks * block_bytes
+    one = f"{num_blocks} blocks of {block_bytes} bytes, {_mib(size)}"
+    return f"pool ({one})" if ranks == 1 else f"{ranks} pools ({one} each)"
 
 
 def _create_segment(name: str, size: int) -> shared_memory.SharedMemory:
@@ -323,6 +358,20 @@ def _replace_stale_segment(name: str) -> str:
         fresh,
     )
     return fresh
+
+
+def stale_segment_bytes(names: list[str]) -> int:
+    """Bytes held by segments of these names that this user owns: a dead run's, which
+    starting on the same endpoint replaces (see ``_replace_stale_segment``)."""
+    total = 0
+    for name in names:
+        try:
+            stats = (SHM_DIR / name).lstat()
+        except OSError:
+            continue
+        if stats.st_uid == os.getuid():
+            total += stats.st_blocks * 512
+    return total
 
 
 def pool_segment_name(control_endpoint: str, rank: int) -> str:

@@ -36,6 +36,14 @@ from kvpubd.daemon.hooks import MetricsHooks, NullMetrics
 from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.daemon.operations import Operations
 from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.pool import (
+    cache_bytes,
+    check_memory,
+    check_shm_space,
+    describe_pools,
+    pool_segment_name,
+    stale_segment_bytes,
+)
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.zmq_loop import new_context
 from kvpubd.protocol.auth import AuthError
@@ -174,6 +182,7 @@ class Service:
                 f"the file descriptor limit is {limit}: kvpubd needs at least "
                 f"{resources.MIN_FD_LIMIT} (raise it with ulimit -n or LimitNOFILE=)"
             )
+        self._check_memory()
         self._context = new_context()
         self.control = ControlServer(
             self._context, self.settings.control, self.operations.handle, self.metrics
@@ -286,6 +295,24 @@ class Service:
             raise StartupError(str(exc)) from None
         except OSError as exc:  # e.g. a directory this user may not write to
             raise StartupError(f"cannot lock an endpoint: {exc}") from None
+
+    def _check_memory(self) -> None:
+        """Refuse a cache the machine cannot hold, before any of it is allocated: host pools
+        against /dev/shm (the more precise message), then everything against memory."""
+        cache = self.settings.cache
+        ranks = len(cache.ranks)
+        host_pool = cache.num_blocks * cache.block_bytes if cache.device == "cpu" else 0
+        if host_pool:
+            names = [pool_segment_name(self.settings.control.endpoint, r) for r in cache.ranks]
+            check_shm_space(
+                ranks * host_pool,
+                describe_pools(ranks, cache.num_blocks, cache.block_bytes),
+                reclaimable=stale_segment_bytes(names),
+            )
+        check_memory(
+            ranks * cache_bytes(cache.num_blocks, cache.block_size, host_pool),
+            f"the cache ({ranks} rank(s) of {cache.num_blocks} blocks)",
+        )
 
     def _cap_connections(self) -> None:
         """Share the fds left after start-up (less a reserve) among the listeners, so that no
