@@ -128,6 +128,11 @@ BAD_FILES: dict[str, tuple[str, str]] = {
         "[cache]\ndata_parallel_start_rank = 10\n",
         "events.endpoint",
     ),
+    # Once exit 1, "in use by a running daemon" naming the daemon's own pid.
+    "events-and-replay-on-one-ipc-path": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{ev}"\n',
+        "events.replay_endpoint",
+    ),
     # Values libzmq cannot take once failed at bind with a traceback.
     "hwm-past-a-c-int": (
         '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\nhwm = 2147483648\n',

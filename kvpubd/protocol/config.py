@@ -242,6 +242,24 @@ class Settings(BaseSettings):
                         f"ports {other.start}..{other.stop - 1}"
                     )
             ranges.append((key, here))
+        # ipc (and inproc) endpoints: one socket per name, whatever the transport says.
+        names: dict[str, str] = {}
+        for key, endpoint, served in (
+            ("events.endpoint", self.events.endpoint, ranks),
+            ("events.replay_endpoint", self.events.replay_endpoint, ranks),
+            ("control.endpoint", self.control.endpoint, range(1)),
+        ):
+            if not endpoint or tcp_port(endpoint) is not None:
+                continue
+            bound = (
+                [endpoint]
+                if key == "control.endpoint"
+                else [rank_endpoint(endpoint, rank) for rank in served]
+            )
+            for name in bound:
+                if name in names:
+                    raise ValueError(f"{key}: {name} is also {names[name]}")
+                names[name] = key
         return self
 
     @property
