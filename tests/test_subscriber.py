@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvpubd.client import Received
+from kvpubd.client import Mirror, MirrorError, Received
 from kvpubd.client.subscriber import AsyncSubscriber, Subscriber, parse_replay_message
 from kvpubd.client.tracker import (
     Ping,
@@ -648,3 +648,21 @@ def test_subscriber_without_a_daemon_times_out_clearly() -> None:
             assert sub.counters.batches == 0
     finally:
         os.rmdir(directory)
+
+
+def test_a_mirror_holds_a_stream_to_one_block_size_until_it_is_cleared() -> None:
+    """A mirror made without a block size takes the first store's: a later store of another
+    size breaks the stream (it was applied without complaint: the check never ran). A clear
+    (a restart's marker, which may bring a new size) forgets it; a size given stays."""
+    first = BlockStored([1], None, list(range(16)), 16, None, "GPU", None)
+    other = BlockStored([2], None, list(range(32)), 32, None, "GPU", None)
+    mirror = Mirror()
+    mirror.apply([first])
+    with pytest.raises(MirrorError, match="block_size 32 != 16"):
+        mirror.apply([other])
+    assert set(mirror.blocks) == {1}
+    mirror.apply([AllBlocksCleared(), other])
+    assert mirror.block_size == 32 and set(mirror.blocks) == {2}
+    fixed = Mirror(16)
+    with pytest.raises(MirrorError):
+        fixed.apply([AllBlocksCleared(), other])

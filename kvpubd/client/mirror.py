@@ -18,13 +18,18 @@ class Mirror:
     """The cache as a router sees it, built only from published events. Applying an event
     that breaks an invariant routers rely on raises MirrorError."""
 
+    # The stream's block size; None: the first BlockStored after a clear sets it (a restart
+    # may change it, and it starts with a clear).
     block_size: int | None = None
     blocks: dict[BlockHash, BlockStored] = field(default_factory=dict)
+    _learned_size: bool = field(default=False, repr=False)
 
     def apply(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, AllBlocksCleared):
                 self.blocks.clear()
+                if self._learned_size:
+                    self.block_size, self._learned_size = None, False
             elif isinstance(event, BlockStored):
                 self._store(event)
             elif isinstance(event, BlockRemoved):
@@ -57,3 +62,5 @@ class Mirror:
                 extra_keys=None if extra_keys is None or extra_keys[i] is None else [extra_keys[i]],
             )
             parent = block_hash
+        if self.block_size is None:
+            self.block_size, self._learned_size = size, True
