@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import zmq
@@ -142,26 +142,12 @@ class IpcListener:
                 os.unlink(self.aside)
 
     def hang_up(self, fd: int) -> bool:
-        """Shut down the connection libzmq accepted as ``fd``, once checked to be a connection
-        to this listener (not a number reused meanwhile)."""
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            return False
-        try:
-            if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-                return False
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                return False
-            name = sock.getsockname()
-            if (name.decode(errors="replace") if isinstance(name, bytes) else name) != self.name:
-                return False
-            sock.shutdown(socket.SHUT_RDWR)
-            return True
-        except OSError:
-            return False
-        finally:
-            sock.detach()
+        """Shut down the connection libzmq accepted as ``fd`` (see ``_hang_up``)."""
+        return _hang_up(fd, (socket.AF_UNIX,), self._names_me)
+
+    def _names_me(self, sock: socket.socket) -> bool:
+        name = sock.getsockname()
+        return (name.decode(errors="replace") if isinstance(name, bytes) else name) == self.name
 
     def close(self) -> None:
         if self.path is not None:
@@ -195,25 +181,8 @@ class ListenerGate:
             self.port = sock.getsockname()[1]
 
     def hang_up(self, fd: int) -> bool:
-        """Shut down the connection libzmq accepted as ``fd`` (libzmq then closes it). Checked
-        first: the fd is still a connection to this listener's port, not a number reused."""
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            return False  # closed meanwhile
-        try:
-            if sock.family not in _INET or sock.type != socket.SOCK_STREAM:
-                return False
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                return False
-            if sock.getsockname()[1] != self.port:
-                return False
-            sock.shutdown(socket.SHUT_RDWR)
-            return True
-        except OSError:
-            return False
-        finally:
-            sock.detach()
+        """Shut down the connection libzmq accepted as ``fd`` (see ``_hang_up``)."""
+        return _hang_up(fd, _INET, lambda sock: sock.getsockname()[1] == self.port)
 
     def close(self) -> None:
         self._setsockopt(SO_ATTACH_FILTER, _DROP_ALL_PROGRAM)
@@ -243,6 +212,27 @@ class ListenerGate:
             yield sock
         finally:
             sock.detach()
+
+
+def _hang_up(fd: int, families: tuple[int, ...], is_ours: Callable[[socket.socket], bool]) -> bool:
+    """Shut down the connection libzmq accepted as ``fd`` (libzmq then closes it). Checked
+    first: the fd is still a connection (``families``, not a listener) to this listener
+    (``is_ours``), not a number reused meanwhile."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False  # closed meanwhile
+    try:
+        if sock.family not in families or sock.type != socket.SOCK_STREAM:
+            return False
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) or not is_ours(sock):
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.detach()
 
 
 def listening_fd(bound: str) -> int | None:
