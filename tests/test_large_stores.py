@@ -9,6 +9,7 @@ import gc
 import signal
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -36,15 +37,24 @@ def large_daemon(start_daemon: DaemonFactory) -> Daemon:
     return start_daemon(cache={"num_blocks": 8 * LARGE})
 
 
-@pytest.fixture
-def dealer(large_daemon: Daemon) -> Iterator[zmq.Socket]:
+@contextmanager
+def control_dealer(daemon: Daemon) -> Iterator[zmq.Socket]:
+    """A raw DEALER on the daemon's control socket, for requests sent back to back."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(large_daemon.control_endpoint)
-    yield sock
-    sock.close()
-    context.term()
+    sock.connect(daemon.control_endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        context.term()
+
+
+@pytest.fixture
+def dealer(large_daemon: Daemon) -> Iterator[zmq.Socket]:
+    with control_dealer(large_daemon) as sock:
+        yield sock
 
 
 def send_all(
@@ -221,13 +231,9 @@ def test_stores_queued_past_the_bound_are_refused_busy_and_change_nothing(
         cache={"num_blocks": 8 * LARGE}, control={"max_tokens_per_request": HUGE * BLOCK_SIZE}
     )
     count = QUEUED_REQUESTS + 2
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(daemon.control_endpoint)
     sub = subscriber("sync", daemon)
     try:
-        with daemon.client() as client:
+        with daemon.client() as client, control_dealer(daemon) as sock:
             go_live(sub, client, [0])
             replies = send_all(
                 sock,
@@ -262,8 +268,6 @@ def test_stores_queued_past_the_bound_are_refused_busy_and_change_nothing(
             client.store("again", prompt(99, 2))
     finally:
         sub.close()
-        sock.close()
-        context.term()
 
 
 async def test_a_refused_large_store_leaves_nothing_behind() -> None:

@@ -51,6 +51,17 @@ def low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (DAEMON_FDS, DAEMON_FDS))
 
 
+def stop_alive(daemon: Daemon) -> None:
+    """Stop a daemon that must have lived through the test (exit 0); fail if it died."""
+    try:
+        if daemon.alive():
+            assert daemon.stop() == 0, daemon.log()
+        else:
+            pytest.fail(f"the daemon died:\n{daemon.log()[-3000:]}")
+    finally:
+        daemon.cleanup()
+
+
 def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
     many_fds: None,
 ) -> None:
@@ -110,13 +121,7 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
             conn.close()
         sub.close()
         context.term()
-        try:
-            if daemon.alive():
-                assert daemon.stop() == 0, daemon.log()
-            else:
-                pytest.fail(f"the daemon died:\n{daemon.log()[-3000:]}")
-        finally:
-            daemon.cleanup()
+        stop_alive(daemon)
 
 
 def test_ipc_connection_flood_is_held_to_the_cap_and_the_daemon_lives(many_fds: None) -> None:
@@ -157,13 +162,7 @@ def test_ipc_connection_flood_is_held_to_the_cap_and_the_daemon_lives(many_fds: 
     finally:
         for conn in flood:
             conn.close()
-        try:
-            if daemon.alive():
-                assert daemon.stop() == 0, daemon.log()
-            else:
-                pytest.fail(f"the daemon died:\n{daemon.log()[-3000:]}")
-        finally:
-            daemon.cleanup()
+        stop_alive(daemon)
 
 
 def serve(config: Path, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
