@@ -242,24 +242,29 @@ class Settings(BaseSettings):
                         f"ports {other.start}..{other.stop - 1}"
                     )
             ranges.append((key, here))
-        # ipc (and inproc) endpoints: one socket per name, whatever the transport says.
-        names: dict[str, str] = {}
-        for key, endpoint, served in (
-            ("events.endpoint", self.events.endpoint, ranks),
-            ("events.replay_endpoint", self.events.replay_endpoint, ranks),
-            ("control.endpoint", self.control.endpoint, range(1)),
-        ):
-            if not endpoint or tcp_port(endpoint) is not None:
-                continue
-            bound = (
-                [endpoint]
-                if key == "control.endpoint"
-                else [rank_endpoint(endpoint, rank) for rank in served]
+        return self
+
+    @model_validator(mode="after")
+    def _check_socket_names(self) -> Settings:
+        """Two sockets never share an ipc (or inproc) name: the second bind would fail as if
+        another daemon held it."""
+        events = self.events
+        per_rank = [
+            (key, endpoint)
+            for key, endpoint in (
+                ("events.endpoint", events.endpoint),
+                ("events.replay_endpoint", events.replay_endpoint),
             )
-            for name in bound:
-                if name in names:
-                    raise ValueError(f"{key}: {name} is also {names[name]}")
-                names[name] = key
+            if endpoint
+        ]
+        bound = [(key, rank_endpoint(e, rank)) for key, e in per_rank for rank in self.cache.ranks]
+        names: dict[str, str] = {}
+        for key, name in [*bound, ("control.endpoint", self.control.endpoint)]:
+            if tcp_port(name) is not None:
+                continue
+            if name in names:
+                raise ValueError(f"{key}: {name} is also {names[name]}")
+            names[name] = key
         return self
 
     @property
