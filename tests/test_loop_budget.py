@@ -243,3 +243,47 @@ def test_any_start_seq_gets_an_end_marker(daemon: Daemon, start_seq: int) -> Non
     finally:
         ctx.destroy(linger=0)
     assert [seq for seq, _ in replay(endpoint, 0, timeout=BOUND_S)] == everything
+
+
+def test_a_client_gets_one_snapshot_of_a_rank_at_a_time(start_daemon: DaemonFactory) -> None:
+    """Snapshots pipelined by one client: the first is answered, the others while it is being
+    put together are refused ``busy`` (each reply is a copy of the published state: a client
+    that pipelined them without reading queued a copy per request). Another client's request
+    meanwhile shares the build and is answered; once the reply went out, the first client
+    gets the next one."""
+    blocks = 50_000
+    daemon = start_daemon(cache={**TINY, "num_blocks": blocks + 1024})
+    fill(daemon, blocks)
+    ctx = zmq.Context()
+    pipelining, other = (ctx.socket(zmq.DEALER) for _ in range(2))
+    try:
+        for sock in (pipelining, other):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(daemon.control_endpoint)
+
+        def send(sock: zmq.Socket, *ids: int) -> None:
+            for request_id in ids:
+                request = {"op": "snapshot", "id": request_id}
+                sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
+
+        def replies(sock: zmq.Socket, count: int) -> list[dict[str, Any]]:
+            got = []
+            while len(got) < count:
+                assert sock.poll(int(BOUND_S * 1000)), f"replies so far: {len(got)}"
+                got.append(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))
+            return sorted(got, key=lambda reply: reply["id"])
+
+        send(pipelining, 1, 2, 3, 4)
+        send(other, 5)  # while the first is being put together
+        pipelined = replies(pipelining, 4)
+        assert [r.get("error", {}).get("code") for r in pipelined] == [None, "busy", "busy", "busy"]
+        assert len(pipelined[0]["events"]) == blocks
+        (shared,) = replies(other, 1)
+        assert shared["ok"] and shared["seq"] == pipelined[0]["seq"]
+        send(pipelining, 6)
+        (again,) = replies(pipelining, 1)
+        assert again["ok"] and len(again["events"]) == blocks
+    finally:
+        pipelining.close()
+        other.close()
+        ctx.term()

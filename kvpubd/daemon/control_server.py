@@ -25,7 +25,13 @@ from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, listener, readable, reader_fd
 from kvpubd.protocol.auth import CurveServer
 from kvpubd.protocol.config import ControlConfig
-from kvpubd.protocol.control import ProtocolError, Request, error_reply, parse_request
+from kvpubd.protocol.control import (
+    ProtocolError,
+    Request,
+    Snapshot,
+    error_reply,
+    parse_request,
+)
 
 log = logging.getLogger("kvpubd")
 
@@ -61,6 +67,8 @@ class ControlServer:
         self._curve: CurveServer | None = None
         self._fd: int | None = None
         self.endpoint = ""
+        # (client identity, rank) of the snapshot replies being put together.
+        self._snapshots: set[tuple[bytes, int | None]] = set()
 
     @property
     def socket(self) -> zmq.Socket | None:
@@ -157,7 +165,26 @@ class ControlServer:
             log.debug("control: refused a request: %s: %s", exc.code, exc.message)
             return error_reply(exc.request_id, exc.code, exc.message)
         log.debug("control: %s (id %r)", request.op, request.id)
+        if isinstance(request, Snapshot):
+            return self._snapshot(frames[0], request)
         return self._handler(request)
+
+    def _snapshot(self, identity: bytes, request: Snapshot) -> Reply:
+        """One snapshot of a rank at a time per client: each reply is a copy of the rank's
+        published state, so a client that pipelined snapshots without reading them queued a
+        copy per request (every request shares one build). Another request while the last
+        is still being put together is refused ``busy``."""
+        key = (identity, request.rank)
+        if key in self._snapshots:
+            self._metrics.control(request.op, "busy")
+            return error_reply(
+                request.id, "busy", "this client's last snapshot of this rank is not sent yet"
+            )
+        reply = self._handler(request)
+        if isinstance(reply, Pending):
+            self._snapshots.add(key)
+            reply.then(lambda _reply, _error: self._snapshots.discard(key))
+        return reply
 
     def _send(self, identity: bytes, reply: Any) -> None:
         if self._sock is None:
