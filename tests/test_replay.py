@@ -3,14 +3,18 @@ last, also for many clients at once, and the daemon answers control requests aft
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import zmq
 
 from kvpubd.client import replay
-from kvpubd.daemon.publisher import REPLAY_CHUNK
+from kvpubd.daemon.publisher import REPLAY_CHUNK, Publisher
 from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.wire import pack_seq
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import concurrent_replays
@@ -29,6 +33,16 @@ def publish_batches(daemon: Daemon, count: int) -> int:
         for _ in range(count):
             (marker,) = client.reset().markers
         return marker.seq
+
+
+def local_publisher(context: zmq.Context, directory: Path, buffer_steps: int) -> Publisher:
+    """A publisher in this process (no loop runs it unless the test starts one), on ipc."""
+    return Publisher(
+        context,
+        endpoint=f"ipc://{directory}/ev",
+        replay_endpoint=f"ipc://{directory}/replay",
+        buffer_steps=buffer_steps,
+    )
 
 
 def test_long_replay_is_complete_and_ordered(start_daemon: DaemonFactory) -> None:
@@ -63,17 +77,8 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
     """A replay still streaming keeps the batches it has yet to send, beyond buffer_steps;
     once it ended, the next publish brings the ring back to buffer_steps (a replay from 0
     then starts buffer_steps batches back)."""
-    import zmq
-
-    from kvpubd.daemon.publisher import Publisher
-
     context = zmq.Context()
-    publisher = Publisher(
-        context,
-        endpoint=f"ipc://{tmp_path}/ev",
-        replay_endpoint=f"ipc://{tmp_path}/replay",
-        buffer_steps=4,
-    )
+    publisher = local_publisher(context, tmp_path, buffer_steps=4)
     dealer = context.socket(zmq.DEALER)
     dealer.connect(publisher.replay_endpoint)
 
@@ -119,10 +124,6 @@ def test_replays_nobody_reads_share_the_rings_memory(start_daemon: DaemonFactory
     """Clients that ask for the whole ring and never read: the batches queued for them are the
     ring's own bytes, not a copy each (each such client held a ring's worth of daemon memory,
     and nothing but the connection cap bounded how many there were)."""
-    import zmq
-
-    from kvpubd.protocol.wire import pack_seq
-
     daemon = start_daemon(
         cache={"num_blocks": 4096, "block_size": RING_BLOCK_SIZE},
         events={"buffer_steps": 4096},
@@ -164,25 +165,12 @@ async def test_a_replay_waiting_for_its_snapshot_ends_quietly_when_the_publisher
     """Shutdown while a replay of lost history waits for its snapshot batch: when the batch
     then settles, nothing runs against the closed replay socket (a pump scheduled then raised
     ZMQError tracebacks after the daemon said it had stopped)."""
-    import asyncio
-    from types import SimpleNamespace
-
-    import zmq
-
-    from kvpubd.daemon.publisher import Publisher
-    from kvpubd.protocol.wire import pack_seq
-
     loop = asyncio.get_running_loop()
     failures: list[dict[str, object]] = []
     loop.set_exception_handler(lambda _loop, context: failures.append(context))
     snapshot: asyncio.Future[object] = loop.create_future()  # never built
     context = zmq.Context()
-    publisher = Publisher(
-        context,
-        endpoint=f"ipc://{tmp_path}/ev",
-        replay_endpoint=f"ipc://{tmp_path}/replay",
-        buffer_steps=2,
-    )
+    publisher = local_publisher(context, tmp_path, buffer_steps=2)
     publisher.lost_history = lambda: SimpleNamespace(result=snapshot)  # type: ignore[assignment,return-value]
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
