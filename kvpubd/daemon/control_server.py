@@ -66,6 +66,7 @@ class ControlServer:
         self._sock: zmq.Socket | None = None
         self._curve: CurveServer | None = None
         self._fd: int | None = None
+        self._serve_scheduled = False  # a _serve waits in the loop's ready queue
         self.endpoint = ""
         # (client identity, rank) of the snapshot replies being put together.
         self._snapshots: set[tuple[bytes, int | None]] = set()
@@ -130,6 +131,7 @@ class ControlServer:
             self._curve = None
 
     def _serve(self) -> None:
+        self._serve_scheduled = False
         sock = self._sock
         if sock is None:
             return
@@ -147,6 +149,7 @@ class ControlServer:
             if budget <= 0:
                 break
         # More may be waiting: the loop gets a turn first.
+        self._serve_scheduled = True
         asyncio.get_running_loop().call_soon(self._serve)
 
     def handle_frames(self, frames: list[bytes]) -> Reply | None:
@@ -203,3 +206,14 @@ class ControlServer:
     ) -> None:
         if reply is not None:  # a reply cancelled at shutdown is not sent
             self._send(identity, reply)
+            self._rearm()
+
+    def _rearm(self) -> None:
+        """After a send from outside the reader. A send processes the socket's command mailbox
+        and so clears its edge-triggered FD: a request that arrived meanwhile would wait, unread,
+        until a new connection's handshake signalled the FD again (a reset neither published nor
+        answered). Reading EVENTS says whether one waits; the reader then gets a turn."""
+        sock = self._sock
+        if sock is not None and not self._serve_scheduled and readable(sock):
+            self._serve_scheduled = True
+            asyncio.get_running_loop().call_soon(self._serve)

@@ -1,0 +1,94 @@
+"""The control socket never goes deaf: a reply sent from outside its reader (a store done in
+slices, a snapshot) must not leave requests that arrived meanwhile unread.
+
+ZeroMQ signals a socket's FD once per batch of commands, and any send processes that batch: a
+send outside the reader can take the signal of a request that just arrived, and the loop
+never wakes for it."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from tests.conftest import DaemonFactory
+from tests.streams import packed_prompt
+
+
+def request(op: str, number: int, **fields: Any) -> list[bytes]:
+    return [b"", msgpack.packb({"op": op, "id": number, **fields})]
+
+
+def reply_of(sock: zmq.Socket, timeout_ms: int = 10_000) -> dict[str, Any]:
+    assert sock.poll(timeout_ms), "no reply: the control socket went deaf"
+    return dict(msgpack.unpackb(sock.recv_multipart()[-1]))
+
+
+def test_long_lived_clients_stay_answered_beside_sliced_stores(
+    start_daemon: DaemonFactory,
+) -> None:
+    """The way it was seen: client A stores prompts large enough to be done in slices (each
+    answered from the store task) while client B, on its own long-lived connection, sends a
+    ping or a reset a moment after each; every request of B is answered, every reset's marker
+    seq is new."""
+    blocks = 600  # over the 512 a store may cover in one step
+    daemon = start_daemon(cache={"num_blocks": 2 * blocks})
+    context = zmq.Context()
+    a, b = (context.socket(zmq.DEALER) for _ in range(2))
+    rng = random.Random(7)
+    try:
+        for sock in (a, b):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(daemon.control_endpoint)
+        markers: list[int] = []
+        for i in range(60):
+            tokens = packed_prompt(blocks, seed=i)
+            a.send_multipart(request("store", i, request_id=f"r{i}", token_ids=tokens))
+            time.sleep(rng.uniform(0, 0.004))  # B's request lands at a varied point of A's store
+            op = "reset" if i % 3 == 0 else "ping"
+            b.send_multipart(request(op, i, force=True) if op == "reset" else request(op, i))
+            answer = reply_of(b)
+            assert answer["ok"], answer
+            if op == "reset":
+                markers.append(answer["markers"][0]["seq"])
+            stored = reply_of(a)
+            if stored["ok"]:
+                a.send_multipart(request("release", i, request_id=f"r{i}"))
+                assert reply_of(a)["id"] == i
+        assert len(markers) == 20
+        assert markers == sorted(set(markers))
+    finally:
+        a.close()
+        b.close()
+        context.term()
+
+
+def test_long_lived_clients_stay_answered_beside_snapshots(start_daemon: DaemonFactory) -> None:
+    """Snapshot replies are put together across loop turns and sent from outside the reader
+    too: B's pings beside A's back-to-back snapshots are all answered."""
+    blocks = 8000
+    daemon = start_daemon(cache={"num_blocks": blocks})
+    context = zmq.Context()
+    a, b = (context.socket(zmq.DEALER) for _ in range(2))
+    rng = random.Random(11)
+    try:
+        for sock in (a, b):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(daemon.control_endpoint)
+        tokens = packed_prompt(blocks // 2, seed=1)
+        a.send_multipart(request("store", 0, request_id="held", token_ids=tokens))
+        assert reply_of(a)["ok"]
+        for i in range(1, 100):
+            a.send_multipart(request("snapshot", i))
+            time.sleep(rng.uniform(0, 0.004))  # B's ping lands at a varied point of the build
+            b.send_multipart(request("ping", i))
+            assert reply_of(b)["id"] == i
+            snapshot = reply_of(a)
+            assert snapshot["id"] == i and snapshot["ok"], snapshot
+    finally:
+        a.close()
+        b.close()
+        context.term()
