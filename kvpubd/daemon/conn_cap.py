@@ -30,6 +30,7 @@ import socket
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -43,15 +44,29 @@ ZMQ_BACKLOG = 100  # libzmq's default accept queue
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
+class ConnectionObserver(Protocol):
+    """Told of each connection the listener accepts and closes, by its fd."""
+
+    def accepted(self, fd: int) -> None: ...
+
+    def disconnected(self, fd: int) -> None: ...
+
+
 class ConnectionCap:
     """Counts ``sock``'s connections on the TCP or ipc endpoint ``bound`` and holds them to
-    ``cap``. Served from the daemon's loop; ``create`` returns None where no cap can be put
-    on."""
+    ``cap``, telling ``observer`` of each. Served from the daemon's loop; ``create`` returns
+    None where no cap can be put on."""
 
     def __init__(
-        self, sock: zmq.Socket, gate: ListenerGate | IpcListener, cap: int, name: str
+        self,
+        sock: zmq.Socket,
+        gate: ListenerGate | IpcListener,
+        cap: int,
+        name: str,
+        observer: ConnectionObserver | None = None,
     ) -> None:
         self.sock = sock
+        self.observer = observer
         self.gate = gate
         self.cap = max(1, cap)
         self.name = name
@@ -63,16 +78,23 @@ class ConnectionCap:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def create(cls, sock: zmq.Socket, bound: str, cap: int, name: str) -> ConnectionCap | None:
+    def create(
+        cls,
+        sock: zmq.Socket,
+        bound: str,
+        cap: int,
+        name: str,
+        observer: ConnectionObserver | None = None,
+    ) -> ConnectionCap | None:
         if bound.startswith("ipc://"):
-            return cls(sock, IpcListener(bound), cap, name)
+            return cls(sock, IpcListener(bound), cap, name, observer)
         fd = listening_fd(bound)
         if fd is None:
             return None
         gate = ListenerGate(fd)
         # The kernel's accept queue is what libzmq still takes after the gate closes.
         gate.listen(min(ZMQ_BACKLOG, max(1, cap // 4)))
-        return cls(sock, gate, cap, name)
+        return cls(sock, gate, cap, name, observer)
 
     @property
     def fd(self) -> int:
@@ -89,6 +111,8 @@ class ConnectionCap:
             message = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             event = message["event"]
             if event == zmq.EVENT_ACCEPTED:
+                if self.observer is not None:  # before a hang-up, which it then hears of
+                    self.observer.accepted(message["value"])
                 self.connections += 1
                 if self.connections >= self.cap and not self.gate.closed:
                     self._pause()  # at once, not after the rest of the burst is counted
@@ -98,6 +122,8 @@ class ConnectionCap:
                     # timeout later.
                     self.kicked += self.gate.hang_up(message["value"])
             elif event == zmq.EVENT_DISCONNECTED:
+                if self.observer is not None:
+                    self.observer.disconnected(message["value"])
                 # Peers accepted before the monitor existed are not counted: never below 0.
                 self.connections = max(0, self.connections - 1)
         self.peak = max(self.peak, self.connections)

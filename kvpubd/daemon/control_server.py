@@ -15,12 +15,13 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
 from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.owners import Owner, owner_of_message
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, listener, readable, reader_fd
 from kvpubd.protocol.auth import CurveServer
@@ -48,7 +49,8 @@ _REPLY_LAST = int(zmq.NOBLOCK)
 # Bytes now, or bytes or a buffer to come (a store done in slices, sent the moment it finishes;
 # a snapshot built across loop turns, sent without a copy).
 Reply = bytes | Pending[bytes] | Pending[memoryview]
-Handler = Callable[[Request], Reply]
+# The request, and the client that sent it (None where it cannot be told: see owners).
+Handler = Callable[[Request, Owner | None], Reply]
 
 
 class StartupError(RuntimeError):
@@ -139,8 +141,11 @@ class ControlServer:
         for _ in range(CONTROL_BURST):
             if not readable(sock):
                 return
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            reply = self.handle_frames(frames)
+            # Frames, for the last one's metadata; .bytes is the one copy a plain recv makes.
+            message = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = [frame.bytes for frame in message]
+            owner = owner_of_message(_peer_address(message[-1]), self.endpoint)
+            reply = self.handle_frames(frames, owner)
             if isinstance(reply, bytes):
                 self._send(frames[0], reply)
             elif reply is not None:
@@ -152,8 +157,9 @@ class ControlServer:
         self._serve_scheduled = True
         asyncio.get_running_loop().call_soon(self._serve)
 
-    def handle_frames(self, frames: list[bytes]) -> Reply | None:
-        """Answer one ROUTER message ``[identity, b"", request]``; None for unusable framing."""
+    def handle_frames(self, frames: list[bytes], owner: Owner | None = None) -> Reply | None:
+        """Answer one ROUTER message ``[identity, b"", request]`` from ``owner``; None for
+        unusable framing."""
         if len(frames) < 2 or frames[1] != b"":
             log.debug("control: dropped a message without the empty delimiter")
             return None
@@ -170,7 +176,7 @@ class ControlServer:
         log.debug("control: %s (id %r)", request.op, request.id)
         if isinstance(request, Snapshot):
             return self._snapshot(frames[0], request)
-        return self._handler(request)
+        return self._handler(request, owner)
 
     def _snapshot(self, identity: bytes, request: Snapshot) -> Reply:
         """One snapshot of a rank at a time per client: each reply is a copy of the rank's
@@ -183,7 +189,7 @@ class ControlServer:
             return error_reply(
                 request.id, "busy", "this client's last snapshot of this rank is not sent yet"
             )
-        reply = self._handler(request)
+        reply = self._handler(request, None)
         if isinstance(reply, Pending):
             self._snapshots.add(key)
             reply.then(lambda _reply, _error: self._snapshots.discard(key))
@@ -217,3 +223,11 @@ class ControlServer:
         if sock is not None and not self._serve_scheduled and readable(sock):
             self._serve_scheduled = True
             asyncio.get_running_loop().call_soon(self._serve)
+
+
+def _peer_address(frame: zmq.Frame) -> str | None:
+    """libzmq's ``Peer-Address`` of a received message; None where the transport has none."""
+    try:
+        return cast(str, frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return None

@@ -16,6 +16,7 @@ from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
 from kvpubd.daemon.snapshot import Buffer, assemble
@@ -54,6 +55,11 @@ class Operations:
         self.epoch = epoch
         self.paused = False
         self._metrics = metrics
+        control = settings.control
+        self.owners = RequestOwners(
+            self._release_orphan,
+            control.orphan_grace_ms / 1000 if control.release_orphans else None,
+        )
         self._ops: dict[type, Callable[[Any], dict[str, Any] | Pending[dict[str, Any]]]] = {
             Ping: self.ping,
             Stats: self.stats,
@@ -66,14 +72,18 @@ class Operations:
             Checksum: self.checksum,
         }
 
-    def handle(self, request: Request) -> Reply:
-        """The reply to one parsed request; a refusal or a bug is answered, never raised.
-        A snapshot is answered later, through a future."""
+    def handle(self, request: Request, owner: Owner | None = None) -> Reply:
+        """The reply to one parsed request from ``owner`` (the client, where it can be told:
+        its open requests are released when it goes away); a refusal or a bug is answered,
+        never raised. A snapshot is answered later, through a future."""
         error_code: str | None = None
         try:
             if isinstance(request, Snapshot):
                 return self.snapshot(request)
-            result = self._ops[type(request)](request)
+            if isinstance(request, Store):
+                result = self.store(request, owner)
+            else:
+                result = self._ops[type(request)](request)
             if isinstance(result, Pending):
                 return self._later(request, result)
             return ok_reply(request.id, **result)
@@ -149,7 +159,9 @@ class Operations:
         log.info("periodic drain %s", "paused" if self.paused else "resumed")
         return {"paused": self.paused}
 
-    def store(self, request: Store) -> dict[str, Any] | Pending[dict[str, Any]]:
+    def store(
+        self, request: Store, owner: Owner | None = None
+    ) -> dict[str, Any] | Pending[dict[str, Any]]:
         pipeline = self._pipeline(request.rank)
         limit = self.settings.control.max_tokens_per_request
         count = token_count(request.token_ids)
@@ -170,15 +182,36 @@ class Operations:
             tokens = tokens_array(request.token_ids)
         except (ValueError, OverflowError) as exc:
             raise CacheError("bad_request", f"token_ids: {exc}") from None
-        return pipeline.store(
+        stored = pipeline.store(
             request.request_id, tokens, request.lora_id, request.lora_name, request.cache_salt
         )
+        self.owners.claim(owner, request.request_id)
+        if isinstance(stored, Pending):
+            request_id = request.request_id
+
+            def opened_nothing(_: object, error: BaseException | None) -> None:
+                if error is not None:
+                    self.owners.drop(request_id)
+
+            stored.then(opened_nothing)
+        return stored
 
     def release(self, request: Release) -> dict[str, Any] | Pending[dict[str, Any]]:
+        self.owners.drop(request.request_id)
         for pipeline in self.pipelines:
             if pipeline.has_request(request.request_id):
                 return pipeline.release(request.request_id)
         raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
+
+    def _release_orphan(self, request_id: RequestId) -> None:
+        """Release a request whose client went away (see owners)."""
+        for pipeline in self.pipelines:
+            if pipeline.has_request(request_id):
+                try:
+                    pipeline.release(request_id)
+                except CacheError as exc:  # closed meanwhile: nothing left to release
+                    log.debug("release of orphan %r: %s", request_id, exc.message)
+                return
 
     def reset(self, request: Reset) -> dict[str, Any]:
         targets = self.pipelines if request.rank is None else [self._pipeline(request.rank)]

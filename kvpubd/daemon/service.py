@@ -35,6 +35,7 @@ from kvpubd.daemon.endpoint_lock import (
 from kvpubd.daemon.hooks import MetricsHooks, NullMetrics
 from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.daemon.operations import Operations
+from kvpubd.daemon.owners import ConnectionOwners
 from kvpubd.daemon.pipeline import RankPipeline
 from kvpubd.daemon.pool import (
     cache_bytes,
@@ -241,6 +242,7 @@ class Service:
         for guard in self._caps:
             _attempt(f"{guard.name} connection cap", guard.close)
         self._caps = []
+        self.operations.owners.close()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -329,8 +331,11 @@ class Service:
         metrics_on = bool(self.settings.metrics.port)
         cap = resources.fd_budget(len(listeners) + metrics_on)
         loop = asyncio.get_running_loop()
+        # The control socket's connections tell whose open requests to release (see owners).
+        owners = self.operations.owners
+        observers = {"control": ConnectionOwners(owners) if owners.enabled else None}
         for sock, bound, name in listeners:
-            guard = ConnectionCap.create(sock, bound, cap, name)
+            guard = ConnectionCap.create(sock, bound, cap, name, observers.get(name))
             if guard is not None:
                 guard.start(loop)
                 self._caps.append(guard)

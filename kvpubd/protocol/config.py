@@ -104,6 +104,10 @@ class ControlConfig(_Section):
     # certificates of the clients it admits (both, or neither for no authentication).
     curve_secret_key: str = ""
     curve_authorized_keys: str = ""
+    # A client's open requests are released once it has had no control connection for
+    # orphan_grace_ms (it died): else a crashed engine pins its blocks until a forced reset.
+    release_orphans: bool = True
+    orphan_grace_ms: int = Field(5000, ge=0, le=3_600_000)
 
     @field_validator("endpoint")
     @classmethod
