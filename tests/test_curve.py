@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from kvpubd.client import ControlClient, ControlTimeout
+from kvpubd.client import ControlClient, ControlError, ControlTimeout
 from kvpubd.protocol.auth import create_keys
 from tests.daemon import Daemon, wait_for
 from tests.streams import prompt
@@ -243,3 +243,28 @@ def test_sighup_reloads_authorised_keys(curve_daemon: Daemon, keys: dict[str, Pa
         assert newcomer.ping().epoch == curve_daemon.epoch
     assert curve_daemon.alive()
     assert curve_daemon.stop() == 0
+
+
+def test_a_revoked_key_cuts_off_a_client_already_connected(
+    curve_daemon: Daemon, keys: dict[str, Path]
+) -> None:
+    """Revoking a key (remove its file, SIGHUP) stops its connection already established:
+    every later request is refused ``unauthorized`` and changes nothing."""
+    granted = keys["allowed"] / "newcomer.key"
+    granted.write_bytes(keys["intruder_secret"].with_suffix(".key").read_bytes())
+    assert curve_daemon.proc is not None
+    curve_daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "2 authorised CURVE client key(s)" in curve_daemon.log(), what="the grant")
+    curve = (keys["intruder_secret"], keys["server_public"])
+    with ControlClient(curve_daemon.control_endpoint, timeout=5, curve=curve) as revoked:
+        assert revoked.ping().epoch == curve_daemon.epoch
+        granted.unlink()
+        curve_daemon.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "1 authorised CURVE client key(s)" in curve_daemon.log(), what="revoke")
+        for attempt in (lambda: revoked.reset(), lambda: revoked.store("late", prompt(1, 2))):
+            with pytest.raises(ControlError) as refused:
+                attempt()
+            assert refused.value.code == "unauthorized"
+    with curve_daemon.client() as client:
+        stats = client.stats().ranks[0]
+        assert (stats.resets, stats.requests_open) == (0, 0)

@@ -32,6 +32,7 @@ from kvpubd.protocol.control import (
     Snapshot,
     error_reply,
     parse_request,
+    peek_id,
 )
 
 log = logging.getLogger("kvpubd")
@@ -144,8 +145,13 @@ class ControlServer:
             # Frames, for the last one's metadata; .bytes is the one copy a plain recv makes.
             message = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             frames = [frame.bytes for frame in message]
-            owner = owner_of_message(_peer_address(message[-1]), self.endpoint)
-            reply = self.handle_frames(frames, owner)
+            if self._curve is not None and not self._curve.admits(
+                _metadata(message[-1], "User-Id")
+            ):
+                reply: Reply | None = self._revoked(frames)
+            else:
+                owner = owner_of_message(_metadata(message[-1], "Peer-Address"), self.endpoint)
+                reply = self.handle_frames(frames, owner)
             if isinstance(reply, bytes):
                 self._send(frames[0], reply)
             elif reply is not None:
@@ -177,6 +183,17 @@ class ControlServer:
         if isinstance(request, Snapshot):
             return self._snapshot(frames[0], request)
         return self._handler(request, owner)
+
+    def _revoked(self, frames: list[bytes]) -> Reply | None:
+        """The answer to a client admitted by a key that is no longer authorised."""
+        if len(frames) < 2 or frames[1] != b"":
+            return None
+        self._metrics.refused("unauthorized")
+        log.debug("control: refused a request of a client whose CURVE key was revoked")
+        request_id = peek_id(frames[-1]) if len(frames) == 3 else None
+        return error_reply(
+            request_id, "unauthorized", "this client's CURVE key is no longer authorised"
+        )
 
     def _snapshot(self, identity: bytes, request: Snapshot) -> Reply:
         """One snapshot of a rank at a time per client: each reply is a copy of the rank's
@@ -225,9 +242,10 @@ class ControlServer:
             asyncio.get_running_loop().call_soon(self._serve)
 
 
-def _peer_address(frame: zmq.Frame) -> str | None:
-    """libzmq's ``Peer-Address`` of a received message; None where the transport has none."""
+def _metadata(frame: zmq.Frame, name: str) -> str | None:
+    """A property libzmq gives a received message (``Peer-Address``, ``User-Id``); None where
+    the connection has none."""
     try:
-        return cast(str, frame.get("Peer-Address"))
+        return cast(str, frame.get(name))
     except zmq.ZMQError:
         return None

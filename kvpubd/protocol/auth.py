@@ -76,6 +76,15 @@ class CurveServer:
         self._authenticator.configure_curve(domain="*", location=str(self.authorized_dir))
         return count
 
+    def admits(self, user_id: str | None) -> bool:
+        """Whether a request's ``User-Id`` (the client's public key, z85, which the
+        authenticator gives every connection it admits) is still authorised: a key removed
+        since the client connected, and reloaded, no longer reaches anything."""
+        if user_id is None:
+            return False
+        admitted = self._authenticator.certs.get("*", {})
+        return user_id.encode() in admitted
+
     def apply(self, sock: zmq.Socket) -> None:
         sock.curve_secretkey = self._secret
         sock.curve_publickey = self.public
