@@ -9,12 +9,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import zmq
 
 from kvpubd.client import replay
 from kvpubd.daemon.publisher import REPLAY_CHUNK, Publisher
 from kvpubd.protocol.config import rank_endpoint
-from kvpubd.protocol.wire import pack_seq
+from kvpubd.protocol.wire import END_SEQ, pack_seq
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import concurrent_replays
@@ -192,5 +193,40 @@ async def test_a_replay_waiting_for_its_snapshot_ends_quietly_when_the_publisher
         assert publisher.replays_in_progress == 0
     finally:
         dealer.close()
+        publisher.close()
+        context.term()
+
+
+@pytest.mark.parametrize("framing", ["v026", "legacy"])
+async def test_a_replay_from_past_the_last_seq_gets_exactly_the_end_marker(
+    tmp_path: Path, framing: str
+) -> None:
+    """Nothing to send is still answered: the end marker alone, in the framing asked for (a
+    client waiting for it would otherwise wait for ever). Asked twice on one connection: the
+    second answer comes right after the first, so nothing else was sent in between."""
+    context = zmq.Context()
+    publisher = Publisher(
+        context,
+        endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        replay_framing=framing,
+        topic="kv@pod@model",
+    )
+    dealer = context.socket(zmq.DEALER)
+    try:
+        for _ in range(3):
+            publisher.publish([])
+        publisher.start()
+        dealer.connect(publisher.replay_endpoint)
+        end = [b"", END_SEQ, b""] if framing == "legacy" else [b"", b"", END_SEQ, b""]
+        for _ in range(2):
+            dealer.send_multipart([b"", pack_seq(publisher.last_seq + 1)])
+            for _ in range(10_000):  # the loop serves the replay between polls
+                if dealer.poll(0):
+                    break
+                await asyncio.sleep(0.001)
+            assert dealer.recv_multipart(zmq.NOBLOCK) == end
+    finally:
+        dealer.close(linger=0)
         publisher.close()
         context.term()
