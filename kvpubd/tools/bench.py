@@ -1267,3 +1267,35 @@ def bench_throughput(
                 f"{row['max_us']:.0f}",
             )
         Console().print(loaded)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    duration: Annotated[float, typer.Option(help="seconds of load", min=5)] = 60.0,
+    seed: Annotated[int, typer.Option(help="seed of the prober's choices")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Every load at once (large, cached and small stores, checksums, snapshots, a replay
+    flood, dying clients, reloads) while resets are timed and a follower's mirrors are
+    checked against snapshots; exit 1 on a divergence, a lost reset or a dead daemon."""
+    from kvpubd.tools.soak import run_soak
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("soak", total=None)
+        report = run_soak(duration, seed, lambda text: progress.update(task, description=text))
+    if as_json:
+        print(json.dumps(report))
+    else:
+        resets = report["resets"]
+        print(
+            f"soak {duration:g} s: {resets['n']} resets, "
+            f"marker p50 {resets['p50_us'] / 1000:.2f} ms, "
+            f"p99 {resets['p99_us'] / 1000:.2f} ms, max {(resets['max_us'] or 0) / 1000:.2f} ms; "
+            f"{report['resets_lost']} lost; {report['checkpoints']} checkpoints, "
+            f"{len(report['divergences'])} divergence(s); daemon alive: "
+            f"{report['daemon'].get('alive_at_end')}"
+        )
+        for line in report["divergences"]:
+            print(f"  divergence: {line}")
+    if not report["ok"]:
+        raise typer.Exit(1)
