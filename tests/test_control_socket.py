@@ -92,3 +92,42 @@ def test_long_lived_clients_stay_answered_beside_snapshots(start_daemon: DaemonF
         a.close()
         b.close()
         context.term()
+
+
+def test_a_client_that_does_not_read_gets_no_second_snapshot_queued(
+    start_daemon: DaemonFactory,
+) -> None:
+    """A client that asks for snapshots without reading them: its next snapshot waits until
+    its last reply has left the daemon, so at most one copy of the state is queued for it (a
+    client asking again each time the last one was handed to ZeroMQ grew the daemon by a copy
+    a request). Once it reads, the waiting request is answered; one more meanwhile is busy."""
+    from tests.test_loop_budget import TINY, fill
+
+    blocks = 20_000  # a reply of megabytes: more than the connection's buffers hold
+    daemon = start_daemon(cache={**TINY, "num_blocks": blocks + 1024})
+    fill(daemon, blocks)
+    context = zmq.Context()
+    slow, other = (context.socket(zmq.DEALER) for _ in range(2))
+    try:
+        slow.setsockopt(zmq.RCVHWM, 1)  # one unread reply stops its connection's reading
+        for sock in (slow, other):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(daemon.control_endpoint)
+        slow.send_multipart(request("ping", 0))
+        assert slow.poll(10_000)  # its reply waits unread: the connection is full from here
+        slow.send_multipart(request("snapshot", 1))
+        # Another client's snapshot shares the build: once it is answered, slow's reply was
+        # handed to ZeroMQ too (it is stuck there, unread).
+        other.send_multipart(request("snapshot", 2))
+        assert reply_of(other, 30_000)["ok"]
+        slow.send_multipart(request("snapshot", 3))  # waits for reply 1 to leave
+        slow.send_multipart(request("snapshot", 4))  # refused: 3 is waiting
+        answers = [reply_of(slow, 30_000) for _ in range(4)]
+        assert [a["id"] for a in answers] == [0, 1, 4, 3]
+        assert answers[2]["error"]["code"] == "busy"
+        assert answers[1]["ok"] and answers[3]["ok"]
+        assert len(answers[3]["events"]) == len(answers[1]["events"]) == blocks
+    finally:
+        slow.close()
+        other.close()
+        context.term()

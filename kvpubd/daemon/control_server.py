@@ -42,6 +42,10 @@ log = logging.getLogger("kvpubd")
 # milliseconds, so 64 of them back to back held the loop for a few hundred.
 CONTROL_BURST = 64
 CONTROL_BURST_BYTES = 1 << 20
+# Entries of finished snapshot replies kept before a sweep drops them, and how often a
+# snapshot request waiting for the client's last reply to be written out looks again.
+UNSENT_SWEEP = 1024
+UNSENT_POLL_S = 0.005
 # Plain ints: pyzmq's send_multipart combines its flag enums per frame, which costs more than
 # the three sends themselves.
 _REPLY_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -49,7 +53,7 @@ _REPLY_LAST = int(zmq.NOBLOCK)
 
 # Bytes now, or bytes or a buffer to come (a store done in slices, sent the moment it finishes;
 # a snapshot built across loop turns, sent without a copy).
-Reply = bytes | Pending[bytes] | Pending[memoryview]
+Reply = bytes | Pending[bytes] | Pending[memoryview] | Pending[bytes | memoryview]
 # The request, and the client that sent it (None where it cannot be told: see owners).
 Handler = Callable[[Request, Owner | None], Reply]
 
@@ -73,6 +77,10 @@ class ControlServer:
         self.endpoint = ""
         # (client identity, rank) of the snapshot replies being put together.
         self._snapshots: set[tuple[bytes, int | None]] = set()
+        # Per client, its last snapshot reply until ZeroMQ has written it out, and the clients
+        # whose next snapshot waits for that (see _snapshot).
+        self._unsent: dict[bytes, zmq.MessageTracker] = {}
+        self._deferred: set[bytes] = set()
 
     @property
     def socket(self) -> zmq.Socket | None:
@@ -196,16 +204,43 @@ class ControlServer:
         )
 
     def _snapshot(self, identity: bytes, request: Snapshot) -> Reply:
-        """One snapshot of a rank at a time per client: each reply is a copy of the rank's
-        published state, so a client that pipelined snapshots without reading them queued a
-        copy per request (every request shares one build). Another request while the last
-        is still being put together is refused ``busy``."""
+        """One snapshot at a time per client: each reply is a copy of the rank's published
+        state, so a client that pipelined snapshots without reading them queued a copy per
+        request (every request shares one build). Another request while the last of that rank
+        is being put together is refused ``busy``; one that comes while the client's last reply
+        still waits in ZeroMQ to be written to its connection (a client that does not read)
+        waits for that first, and a further one meanwhile is refused ``busy``."""
         key = (identity, request.rank)
-        if key in self._snapshots:
+        if key in self._snapshots or identity in self._deferred:
             self._metrics.control(request.op, "busy")
             return error_reply(
-                request.id, "busy", "this client's last snapshot of this rank is not sent yet"
+                request.id, "busy", "this client's last snapshot is not sent yet: read it first"
             )
+        unsent = self._unsent.get(identity)
+        if unsent is None or unsent.done:
+            return self._build_snapshot(key, request)
+        later: Pending[bytes | memoryview] = Pending()
+        self._deferred.add(identity)
+        loop = asyncio.get_running_loop()
+
+        def when_sent() -> None:
+            if self._sock is None:  # closed meanwhile: nothing to answer on
+                self._deferred.discard(identity)
+                later.fail(asyncio.CancelledError())
+            elif not unsent.done:
+                loop.call_later(UNSENT_POLL_S, when_sent)
+            else:
+                self._deferred.discard(identity)
+                reply = self._build_snapshot(key, request)
+                if isinstance(reply, bytes):
+                    later.resolve(reply)
+                else:
+                    reply.then(lambda value, error: _settle(later, value, error))
+
+        loop.call_later(UNSENT_POLL_S, when_sent)
+        return later
+
+    def _build_snapshot(self, key: tuple[bytes, int | None], request: Snapshot) -> Reply:
         reply = self._handler(request, None)
         if isinstance(reply, Pending):
             self._snapshots.add(key)
@@ -219,10 +254,18 @@ class ControlServer:
         try:
             send(identity, _REPLY_MORE)
             send(b"", _REPLY_MORE)
-            # Large replies (snapshots) go without a copy.
-            send(reply, _REPLY_LAST, copy=isinstance(reply, bytes))
+            if isinstance(reply, bytes):
+                send(reply, _REPLY_LAST)
+                return
+            # Large replies (snapshots) go without a copy; the tracker says when ZeroMQ has
+            # written it out (it lets go of the buffer then).
+            tracker = send(reply, _REPLY_LAST, copy=False, track=True)
         except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
             log.debug("control: reply dropped: %s", exc)
+            return
+        if len(self._unsent) >= UNSENT_SWEEP:  # clients gone since: forget their done ones
+            self._unsent = {peer: t for peer, t in self._unsent.items() if not t.done}
+        self._unsent[identity] = tracker
 
     def _send_settled(
         self, identity: bytes, reply: bytes | memoryview | None, _: BaseException | None
@@ -249,3 +292,14 @@ def _metadata(frame: zmq.Frame, name: str) -> str | None:
         return cast(str, frame.get(name))
     except zmq.ZMQError:
         return None
+
+
+def _settle(
+    later: Pending[bytes | memoryview],
+    value: bytes | memoryview | None,
+    error: BaseException | None,
+) -> None:
+    if error is not None or value is None:
+        later.fail(error or asyncio.CancelledError())
+    else:
+        later.resolve(value)
