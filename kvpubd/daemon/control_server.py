@@ -74,10 +74,10 @@ class ControlServer:
     def socket(self) -> zmq.Socket | None:
         return self._sock
 
-    def reload_curve(self) -> int | None:
-        """Read the CURVE authorised keys again; how many there are (None: CURVE is off).
-        AuthError leaves the keys loaded before in force."""
-        return self._curve.reload() if self._curve is not None else None
+    @property
+    def curve(self) -> CurveServer | None:
+        """CURVE authentication (None: off); SIGHUP reloads its authorised keys."""
+        return self._curve
 
     def bind(self) -> str:
         """Bind the ROUTER (the caller holds the endpoint's lock, so any socket file there is
