@@ -14,6 +14,7 @@ import msgpack
 
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
+from kvpubd.daemon.checksums import checksum_reply
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
@@ -63,7 +64,6 @@ class Operations:
             Pause: self.pause,
             Resume: self.pause,
             PoolInfo: self.pool_info,
-            Checksum: self.checksum,
         }
 
     def handle(self, request: Request) -> Reply:
@@ -73,6 +73,8 @@ class Operations:
         try:
             if isinstance(request, Snapshot):
                 return self.snapshot(request)
+            if isinstance(request, Checksum):
+                return self.checksum(request)
             result = self._ops[type(request)](request)
             if isinstance(result, Pending):
                 return self._later(request, result)
@@ -94,6 +96,10 @@ class Operations:
         def answer(fields: dict[str, Any]) -> bytes:
             return ok_reply(request.id, **fields)
 
+        return self._settled(request, pending.map(answer))
+
+    def _settled(self, request: Request, pending: Pending[bytes]) -> Pending[bytes]:
+        """The reply to come, or the error reply for the way ``pending`` failed."""
         reply: Pending[bytes] = Pending()
 
         def settle(encoded: bytes | None, exc: BaseException | None) -> None:
@@ -108,7 +114,7 @@ class Operations:
                 log.error("control: %s failed: %r", request.op, exc)
                 reply.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
 
-        pending.map(answer).then(settle)
+        pending.then(settle)
         return reply
 
     def _pipeline(self, rank: int | None) -> RankPipeline:
@@ -232,6 +238,10 @@ class Operations:
         pipeline = self._pipeline(request.rank)
         return {"rank": pipeline.rank, **pipeline.pool_info()}
 
-    def checksum(self, request: Checksum) -> dict[str, Any]:
+    def checksum(self, request: Checksum) -> Pending[bytes]:
+        """Answered once every slice of the ids is checksummed, one per loop turn."""
         pipeline = self._pipeline(request.rank)
-        return {"rank": pipeline.rank, "checksums": pipeline.checksum(request.block_ids)}
+        ids = pipeline.checksum_ids(request.block_ids)
+        head = {"ok": True, "id": request.id, "rank": pipeline.rank}
+        reply = checksum_reply(head, len(ids), pipeline.cache.pool.checksum_steps(ids))
+        return self._settled(request, Pending.of_future(asyncio.ensure_future(reply)))

@@ -16,7 +16,7 @@ import zmq
 from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
-from kvpubd.daemon.pool import pool_segment_name
+from kvpubd.daemon.pool import SCRUB_SLICE_BYTES, pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
@@ -91,6 +91,7 @@ class RankPipeline:
         )
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
+        self._scrub: asyncio.Task[None] | None = None
         # Replays of history the ring no longer holds start from a snapshot batch.
         if events.replay_snapshot:
             self.publisher.lost_history = self.snapshot
@@ -181,10 +182,22 @@ class RankPipeline:
         published = self.sink.cleared()
         self.resets += 1
         seq = self.flush() if self._flush_on_reset else None
-        # Runs after the current loop callback, the one that sends the reply.
-        asyncio.get_running_loop().call_soon(self.cache.pool.scrub_pending)
+        self._scrub_freed()
         self._reaper.retire(retired, published)
         return seq
+
+    def _scrub_freed(self) -> None:
+        """Zero the blocks the reset freed, a slice per loop turn from the next one on (the
+        reply goes out first); already running, the scrub takes in what this reset freed."""
+        if self._scrub is None or self._scrub.done():
+            self._scrub = asyncio.create_task(self._scrub_slices(), name="kvpubd scrub")
+
+    async def _scrub_slices(self) -> None:
+        pool = self.cache.pool
+        while True:
+            await asyncio.sleep(0)
+            if pool.scrub_some(SCRUB_SLICE_BYTES):
+                return
 
     def snapshot(self) -> SnapshotJob:
         """The job building the published blocks (one-block stores, parents first) at the
@@ -230,16 +243,18 @@ class RankPipeline:
         if record.needs_compaction:
             record.compact_some()
 
-    def checksum(self, block_ids: list[int]) -> list[int]:
+    def checksum_ids(self, block_ids: list[int]) -> np.ndarray:
+        """The ids of a checksum request, checked against the pool (CacheError)."""
         pool = self.cache.pool
         if len(block_ids) > pool.num_blocks:
             raise CacheError("too_large", f"block_ids: at most {pool.num_blocks} ids")
-        bad = [b for b in block_ids if b >= pool.num_blocks]
-        if bad:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        bad = ids[ids >= pool.num_blocks]
+        if bad.size:
             raise CacheError(
                 "bad_request", f"block_ids: {bad[0]} is not a block (pool has {pool.num_blocks})"
             )
-        return pool.checksum(block_ids)
+        return ids
 
     def pool_info(self) -> dict[str, Any]:
         return self.cache.pool.info()
@@ -271,6 +286,8 @@ class RankPipeline:
 
     def close(self) -> None:
         self._stores.close()
+        if self._scrub is not None:
+            self._scrub.cancel()
         if self._snapshot is not None:
             self._snapshot.cancel()
         self.publisher.close()
