@@ -177,8 +177,24 @@ async def test_checksum_of_the_pool_is_sliced_and_a_reset_goes_first(service: Se
     assert checksums[-1] == zero  # block 0, after it
 
 
-async def test_checksum_errors_name_the_field(service: Service) -> None:
-    reply = send(service, "checksum", block_ids=[NUM_BLOCKS])
-    assert isinstance(reply, bytes)
-    error = msgpack.unpackb(reply, raw=False)["error"]
-    assert error["code"] == "bad_request" and "block_ids" in error["message"]
+async def settled(reply: bytes | Pending[bytes] | Pending[memoryview]) -> dict[str, Any]:
+    """The reply, once it is there (loop turns in between)."""
+    replies: list[bytes] = []
+    if isinstance(reply, bytes):
+        replies.append(reply)
+    else:
+        reply.then(lambda value, error: replies.append(bytes(value)) if value else None)
+    await turns_until(lambda: bool(replies))
+    decoded: dict[str, Any] = msgpack.unpackb(replies[0], raw=False)
+    return decoded
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "item"),
+    [([NUM_BLOCKS], "block_ids.0"), ([1, 2, -1], "block_ids.2"), ([3, True], "block_ids.1")],
+)
+async def test_checksum_errors_name_the_field(
+    service: Service, block_ids: list[Any], item: str
+) -> None:
+    error = (await settled(send(service, "checksum", block_ids=block_ids)))["error"]
+    assert error["code"] == "bad_request" and item in error["message"], error

@@ -159,7 +159,10 @@ class ControlServer:
                 raise ProtocolError(
                     "bad_request", f"expected one request frame, got {len(frames) - 2}"
                 )
-            request = parse_request(frames[2], self._config.max_message_bytes)
+            config = self._config
+            request = parse_request(
+                frames[2], config.max_message_bytes, config.max_tokens_per_request
+            )
         except ProtocolError as exc:
             self._metrics.refused(exc.code)
             log.debug("control: refused a request: %s: %s", exc.code, exc.message)

@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.checksums import checksum_reply
 from kvpubd.daemon.control_server import Reply
+from kvpubd.daemon.decoding import decode_in_slices, decode_tokens
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
@@ -38,6 +40,7 @@ from kvpubd.protocol.control import (
     ok_reply,
 )
 from kvpubd.protocol.hashing import token_count, tokens_array
+from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray
 
 log = logging.getLogger("kvpubd")
 
@@ -172,10 +175,17 @@ class Operations:
         # Request ids are unique across ranks (release names no rank).
         if any(p.has_request(request.request_id) for p in self.pipelines):
             raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
-        try:
-            tokens = tokens_array(request.token_ids)
-        except (ValueError, OverflowError) as exc:
-            raise CacheError("bad_request", f"token_ids: {exc}") from None
+        tokens: np.ndarray | IntArray
+        if isinstance(request.token_ids, bytes):
+            try:
+                tokens = tokens_array(request.token_ids)
+            except ValueError as exc:
+                raise CacheError("bad_request", f"token_ids: {exc}") from None
+        elif count <= DECODE_SLICE:  # one slice: no need to wait for a later loop turn
+            tokens = decode_tokens(request.token_ids)
+        else:
+            tokens = request.token_ids
+        # A longer list is decoded a slice per loop turn by the rank's store queue.
         return pipeline.store(
             request.request_id, tokens, request.lora_id, request.lora_name, request.cache_salt
         )
@@ -239,9 +249,17 @@ class Operations:
         return {"rank": pipeline.rank, **pipeline.pool_info()}
 
     def checksum(self, request: Checksum) -> Pending[bytes]:
-        """Answered once every slice of the ids is checksummed, one per loop turn."""
+        """Answered once the ids are decoded and every slice of them is checksummed, one
+        slice per loop turn."""
         pipeline = self._pipeline(request.rank)
-        ids = pipeline.checksum_ids(request.block_ids)
+        num_blocks = pipeline.cache.pool.num_blocks
+        if len(request.block_ids) > num_blocks:
+            raise CacheError("too_large", f"block_ids: at most {num_blocks} ids")
+        job = asyncio.ensure_future(self._checksum(request, pipeline))
+        return self._settled(request, Pending.of_future(job))
+
+    async def _checksum(self, request: Checksum, pipeline: RankPipeline) -> bytes:
+        pool = pipeline.cache.pool
+        ids = await decode_in_slices(request.block_ids.decoder("block_ids", 0, pool.num_blocks - 1))
         head = {"ok": True, "id": request.id, "rank": pipeline.rank}
-        reply = checksum_reply(head, len(ids), pipeline.cache.pool.checksum_steps(ids))
-        return self._settled(request, Pending.of_future(asyncio.ensure_future(reply)))
+        return await checksum_reply(head, len(ids), pool.checksum_steps(ids))

@@ -24,6 +24,7 @@ from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue, StoreResult
 from kvpubd.protocol.config import Settings, rank_endpoint
+from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import BlockStored
 
 # Blocks captured (stored or removed) that go out as a batch at once, not at the next tick: a
@@ -127,14 +128,18 @@ class RankPipeline:
     def store(
         self,
         request_id: str | int,
-        tokens: np.ndarray,
+        tokens: np.ndarray | IntArray,
         lora_id: int | None,
         lora_name: str | None,
         cache_salt: str | None,
     ) -> dict[str, Any] | Pending[dict[str, Any]]:
         """The store's reply fields, or those to come for a store done in slices (a large
-        one, or any behind one)."""
-        if self._stores.busy or len(tokens) // self.cache.block_size > SYNC_BLOCKS:
+        one, a long token list still to decode, or any behind one)."""
+        if (
+            self._stores.busy
+            or isinstance(tokens, IntArray)
+            or len(tokens) // self.cache.block_size > SYNC_BLOCKS
+        ):
             stored = self._stores.submit(request_id, tokens, lora_id, lora_name, cache_salt)
             return stored.map(self._store_reply)
         return self._store_reply(
