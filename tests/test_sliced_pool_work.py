@@ -191,10 +191,13 @@ async def settled(reply: bytes | Pending[bytes] | Pending[memoryview]) -> dict[s
 
 @pytest.mark.parametrize(
     ("block_ids", "item"),
-    [([NUM_BLOCKS], "block_ids.0"), ([1, 2, -1], "block_ids.2"), ([3, True], "block_ids.1")],
+    [
+        ([NUM_BLOCKS], "block_ids.0"),
+        ([1, 2, -1], "block_ids.2"),
+        ([3, True], "block_ids.1"),
+        (b"\x00\x01", "block_ids: expected a list of integers"),
+    ],
 )
-async def test_checksum_errors_name_the_field(
-    service: Service, block_ids: list[Any], item: str
-) -> None:
+async def test_checksum_errors_name_the_field(service: Service, block_ids: Any, item: str) -> None:
     error = (await settled(send(service, "checksum", block_ids=block_ids)))["error"]
     assert error["code"] == "bad_request" and item in error["message"], error

@@ -138,10 +138,12 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
         raise ProtocolError(
             "unknown_op", f"unknown op {op!r:.64}; known: {', '.join(OPS)}", request_id
         )
-    for field in INT_ARRAY_FIELDS:
+    for field, packed in (("token_ids", " or packed uint32 bytes"), ("block_ids", "")):
         value = obj.get(field)
-        if value is not None and not isinstance(value, IntArray | bytes):
-            raise ProtocolError("bad_request", f"{field}: expected a list of integers", request_id)
+        if field in obj and not isinstance(value, IntArray | (bytes if packed else IntArray)):
+            raise ProtocolError(
+                "bad_request", f"{field}: expected a list of integers{packed}", request_id
+            )
     try:
         return _request_adapter.validate_python(obj)
     except ValidationError as exc:
@@ -175,6 +177,14 @@ def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
             key = walker.unpack()
             pos = base + walker.tell()
             located = array_header(frame, pos) if key in INT_ARRAY_FIELDS else None
+            span = _bin_span(frame, pos) if key in INT_ARRAY_FIELDS else None
+            if span is not None:
+                # Packed tokens: sliced out of the frame in one copy (read through the
+                # unpacker, a few MB would be copied piecemeal as its buffer grows).
+                obj[key] = frame[span[0] : span[1]]
+                base = span[1]
+                walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
+                continue
             if located is None:
                 obj[key] = walker.unpack()
                 continue
@@ -222,19 +232,29 @@ def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
 def _unpacker(frame: bytes, start: int, max_items: int | None) -> msgpack.Unpacker:
     """An unpacker over ``frame`` from byte ``start`` on (its ``tell()`` counts from there).
     It reads the frame as it goes, without copying it whole first: the fields before a long
-    array cost what they are, not what the frame is."""
+    array cost what they are, not what the frame is. ``max_items`` bounds every array and map
+    it decodes (None: unbounded, for skipping)."""
     stream = io.BytesIO(frame)  # shares the bytes, no copy
     stream.seek(start)
     limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
-    unpacker = msgpack.Unpacker(
+    return msgpack.Unpacker(
         stream,
         read_size=_READ_BYTES,
         raw=False,
         strict_map_key=False,
-        max_buffer_size=max(len(frame), _READ_BYTES) + 1,
+        max_buffer_size=len(frame) + _READ_BYTES,
         **limits,
     )
-    return unpacker
+
+
+def _bin_span(frame: bytes, pos: int) -> tuple[int, int] | None:
+    """Where the data of the msgpack bin at ``frame[pos]`` lies; None if there is none."""
+    width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(frame[pos])
+    if width is None:
+        return None
+    start = pos + 1 + width
+    end = start + int.from_bytes(frame[pos + 1 : start], "big")
+    return (start, end) if start <= end <= len(frame) else None
 
 
 def _not_a_map(frame: bytes) -> str:
