@@ -17,7 +17,7 @@ from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.service import Service
 from kvpubd.protocol.config import Settings
 from kvpubd.protocol.int_arrays import DECODE_SLICE
-from tests.test_sliced_pool_work import settled, turns_until
+from tests.loop_turns import settled, turns_until
 
 BLOCK_SIZE = 16
 TOKENS = 24 * DECODE_SLICE  # a list decoded over a couple of dozen loop turns

@@ -19,6 +19,7 @@ from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import CHECKSUM_SLICE_BYTES, SCRUB_SLICE_BYTES, HostPool
 from kvpubd.daemon.service import Service
 from kvpubd.protocol.config import Settings
+from tests.loop_turns import settled, turns_until
 
 BLOCK_BYTES = 64 << 10  # the default cache's block (2 layers, 8 heads, 64 dims, 16 tokens)
 NUM_BLOCKS = 256  # 16 MiB: several scrub slices
@@ -77,15 +78,6 @@ def fill_pool(service: Service) -> None:
 
 def dirty_blocks(service: Service) -> int:
     return int(np.count_nonzero(pool_data(service).any(axis=1)))
-
-
-async def turns_until(done: Any, limit: int = 10_000) -> int:
-    """Loop turns until ``done()``."""
-    for turn in range(limit):
-        if done():
-            return turn
-        await asyncio.sleep(0)
-    raise AssertionError(f"not done after {limit} loop turns")
 
 
 async def test_scrub_after_a_reset_takes_a_slice_per_loop_turn(service: Service) -> None:
@@ -175,18 +167,6 @@ async def test_checksum_of_the_pool_is_sliced_and_a_reset_goes_first(service: Se
     zero = int(numpy_checksum(np.zeros((1, BLOCK_BYTES), np.uint8), [0])[0])
     assert checksums[:1] == expected[:1]  # the slice before the reset
     assert checksums[-1] == zero  # block 0, after it
-
-
-async def settled(reply: bytes | Pending[bytes] | Pending[memoryview]) -> dict[str, Any]:
-    """The reply, once it is there (loop turns in between)."""
-    replies: list[bytes] = []
-    if isinstance(reply, bytes):
-        replies.append(reply)
-    else:
-        reply.then(lambda value, error: replies.append(bytes(value)) if value else None)
-    await turns_until(lambda: bool(replies))
-    decoded: dict[str, Any] = msgpack.unpackb(replies[0], raw=False)
-    return decoded
 
 
 @pytest.mark.parametrize(
