@@ -268,7 +268,7 @@ def store(
         tokens = token_ids
     else:
         tokens = list(token_ids)
-    fields: dict[str, object] = {"request_id": request_id, "token_ids": tokens}
+    fields: dict[str, object] = {"request_id": request_id}
     for key, value in (
         ("rank", rank),
         ("lora_id", lora_id),
@@ -277,6 +277,9 @@ def store(
     ):
         if value is not None:
             fields[key] = value
+    # Last: a list longer than 8192 tokens must be the request's last field (the daemon
+    # decodes it a slice at a time, and does not walk past it).
+    fields["token_ids"] = tokens
     return Call("store", fields, StoreReply.parse)
 
 

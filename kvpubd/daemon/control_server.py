@@ -86,10 +86,10 @@ class ControlServer:
     def socket(self) -> zmq.Socket | None:
         return self._sock
 
-    def reload_curve(self) -> int | None:
-        """Read the CURVE authorised keys again; how many there are (None: CURVE is off).
-        AuthError leaves the keys loaded before in force."""
-        return self._curve.reload() if self._curve is not None else None
+    @property
+    def curve(self) -> CurveServer | None:
+        """CURVE authentication (None: off); SIGHUP reloads its authorised keys."""
+        return self._curve
 
     def bind(self) -> str:
         """Bind the ROUTER (the caller holds the endpoint's lock, so any socket file there is
@@ -182,7 +182,10 @@ class ControlServer:
                 raise ProtocolError(
                     "bad_request", f"expected one request frame, got {len(frames) - 2}"
                 )
-            request = parse_request(frames[2], self._config.max_message_bytes)
+            config = self._config
+            request = parse_request(
+                frames[2], config.max_message_bytes, config.max_tokens_per_request
+            )
         except ProtocolError as exc:
             self._metrics.refused(exc.code)
             log.debug("control: refused a request: %s: %s", exc.code, exc.message)

@@ -11,10 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
+from kvpubd.daemon.checksums import checksum_reply
 from kvpubd.daemon.control_server import Reply
+from kvpubd.daemon.decoding import decode_in_slices, decode_tokens
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
@@ -38,6 +41,7 @@ from kvpubd.protocol.control import (
     ok_reply,
 )
 from kvpubd.protocol.hashing import token_count, tokens_array
+from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray
 
 log = logging.getLogger("kvpubd")
 
@@ -69,7 +73,6 @@ class Operations:
             Pause: self.pause,
             Resume: self.pause,
             PoolInfo: self.pool_info,
-            Checksum: self.checksum,
         }
 
     def handle(self, request: Request, owner: Owner | None = None) -> Reply:
@@ -80,6 +83,8 @@ class Operations:
         try:
             if isinstance(request, Snapshot):
                 return self.snapshot(request)
+            if isinstance(request, Checksum):
+                return self.checksum(request)
             if isinstance(request, Store):
                 result = self.store(request, owner)
             else:
@@ -104,6 +109,10 @@ class Operations:
         def answer(fields: dict[str, Any]) -> bytes:
             return ok_reply(request.id, **fields)
 
+        return self._settled(request, pending.map(answer))
+
+    def _settled(self, request: Request, pending: Pending[bytes]) -> Pending[bytes]:
+        """The reply to come, or the error reply for the way ``pending`` failed."""
         reply: Pending[bytes] = Pending()
 
         def settle(encoded: bytes | None, exc: BaseException | None) -> None:
@@ -118,7 +127,7 @@ class Operations:
                 log.error("control: %s failed: %r", request.op, exc)
                 reply.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
 
-        pending.map(answer).then(settle)
+        pending.then(settle)
         return reply
 
     def _pipeline(self, rank: int | None) -> RankPipeline:
@@ -178,10 +187,17 @@ class Operations:
         # Request ids are unique across ranks (release names no rank).
         if any(p.has_request(request.request_id) for p in self.pipelines):
             raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
-        try:
-            tokens = tokens_array(request.token_ids)
-        except (ValueError, OverflowError) as exc:
-            raise CacheError("bad_request", f"token_ids: {exc}") from None
+        tokens: np.ndarray | IntArray
+        if isinstance(request.token_ids, bytes):
+            try:
+                tokens = tokens_array(request.token_ids)
+            except ValueError as exc:
+                raise CacheError("bad_request", f"token_ids: {exc}") from None
+        elif count <= DECODE_SLICE:  # one slice: no need to wait for a later loop turn
+            tokens = decode_tokens(request.token_ids)
+        else:
+            tokens = request.token_ids
+        # A longer list is decoded a slice per loop turn by the rank's store queue.
         stored = pipeline.store(
             request.request_id, tokens, request.lora_id, request.lora_name, request.cache_salt
         )
@@ -265,6 +281,18 @@ class Operations:
         pipeline = self._pipeline(request.rank)
         return {"rank": pipeline.rank, **pipeline.pool_info()}
 
-    def checksum(self, request: Checksum) -> dict[str, Any]:
+    def checksum(self, request: Checksum) -> Pending[bytes]:
+        """Answered once the ids are decoded and every slice of them is checksummed, one
+        slice per loop turn."""
         pipeline = self._pipeline(request.rank)
-        return {"rank": pipeline.rank, "checksums": pipeline.checksum(request.block_ids)}
+        num_blocks = pipeline.cache.pool.num_blocks
+        if len(request.block_ids) > num_blocks:
+            raise CacheError("too_large", f"block_ids: at most {num_blocks} ids")
+        job = asyncio.ensure_future(self._checksum(request, pipeline))
+        return self._settled(request, Pending.of_future(job))
+
+    async def _checksum(self, request: Checksum, pipeline: RankPipeline) -> bytes:
+        pool = pipeline.cache.pool
+        ids = await decode_in_slices(request.block_ids.decoder("block_ids", 0, pool.num_blocks - 1))
+        head = {"ok": True, "id": request.id, "rank": pipeline.rank}
+        return await checksum_reply(head, len(ids), pool.checksum_steps(ids))

@@ -16,7 +16,7 @@ import zmq
 from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
-from kvpubd.daemon.pool import pool_segment_name
+from kvpubd.daemon.pool import SCRUB_SLICE_BYTES, pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
@@ -24,6 +24,7 @@ from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue, StoreResult
 from kvpubd.protocol.config import Settings, rank_endpoint
+from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import BlockStored
 
 # Blocks captured (stored or removed) that go out as a batch at once, not at the next tick: a
@@ -91,6 +92,7 @@ class RankPipeline:
         )
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
+        self._scrub: asyncio.Task[None] | None = None
         # Replays of history the ring no longer holds start from a snapshot batch.
         if events.replay_snapshot:
             self.publisher.lost_history = self.snapshot
@@ -126,14 +128,18 @@ class RankPipeline:
     def store(
         self,
         request_id: str | int,
-        tokens: np.ndarray,
+        tokens: np.ndarray | IntArray,
         lora_id: int | None,
         lora_name: str | None,
         cache_salt: str | None,
     ) -> dict[str, Any] | Pending[dict[str, Any]]:
         """The store's reply fields, or those to come for a store done in slices (a large
-        one, or any behind one)."""
-        if self._stores.busy or len(tokens) // self.cache.block_size > SYNC_BLOCKS:
+        one, a long token list still to decode, or any behind one)."""
+        if (
+            self._stores.busy
+            or isinstance(tokens, IntArray)
+            or len(tokens) // self.cache.block_size > SYNC_BLOCKS
+        ):
             stored = self._stores.submit(request_id, tokens, lora_id, lora_name, cache_salt)
             return stored.map(self._store_reply)
         return self._store_reply(
@@ -181,10 +187,22 @@ class RankPipeline:
         published = self.sink.cleared()
         self.resets += 1
         seq = self.flush() if self._flush_on_reset else None
-        # Runs after the current loop callback, the one that sends the reply.
-        asyncio.get_running_loop().call_soon(self.cache.pool.scrub_pending)
+        self._scrub_freed()
         self._reaper.retire(retired, published)
         return seq
+
+    def _scrub_freed(self) -> None:
+        """Zero the blocks the reset freed, a slice per loop turn from the next one on (the
+        reply goes out first); already running, the scrub takes in what this reset freed."""
+        if self._scrub is None or self._scrub.done():
+            self._scrub = asyncio.create_task(self._scrub_slices(), name="kvpubd scrub")
+
+    async def _scrub_slices(self) -> None:
+        pool = self.cache.pool
+        while True:
+            await asyncio.sleep(0)
+            if pool.scrub_some(SCRUB_SLICE_BYTES):
+                return
 
     def snapshot(self) -> SnapshotJob:
         """The job building the published blocks (one-block stores, parents first) at the
@@ -230,16 +248,18 @@ class RankPipeline:
         if record.needs_compaction:
             record.compact_some()
 
-    def checksum(self, block_ids: list[int]) -> list[int]:
+    def checksum_ids(self, block_ids: list[int]) -> np.ndarray:
+        """The ids of a checksum request, checked against the pool (CacheError)."""
         pool = self.cache.pool
         if len(block_ids) > pool.num_blocks:
             raise CacheError("too_large", f"block_ids: at most {pool.num_blocks} ids")
-        bad = [b for b in block_ids if b >= pool.num_blocks]
-        if bad:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        bad = ids[ids >= pool.num_blocks]
+        if bad.size:
             raise CacheError(
                 "bad_request", f"block_ids: {bad[0]} is not a block (pool has {pool.num_blocks})"
             )
-        return pool.checksum(block_ids)
+        return ids
 
     def pool_info(self) -> dict[str, Any]:
         return self.cache.pool.info()
@@ -271,6 +291,8 @@ class RankPipeline:
 
     def close(self) -> None:
         self._stores.close()
+        if self._scrub is not None:
+            self._scrub.cancel()
         if self._snapshot is not None:
             self._snapshot.cancel()
         self.publisher.close()

@@ -47,7 +47,7 @@ from kvpubd.daemon.pool import (
 )
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.zmq_loop import new_context
-from kvpubd.protocol.auth import AuthError
+from kvpubd.protocol.auth import AuthError, CurveServer
 from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir, rank_endpoint
 
 log = logging.getLogger("kvpubd")
@@ -95,6 +95,7 @@ class Service:
         # Frees cleared indexes piecemeal: one deallocation per block must not delay a marker.
         self._reaper = Reaper()
         self._notifier = Notifier.from_environment()
+        self._key_reload: asyncio.Task[None] | None = None
 
     @property
     def paused(self) -> bool:
@@ -135,7 +136,8 @@ class Service:
 
     def reload(self) -> None:
         """SIGHUP: apply the log level and the CURVE authorised keys as they are now; every
-        other setting needs a restart."""
+        other setting needs a restart. The keys are read a few files per loop turn (a
+        directory of thousands would hold a reset back); a SIGHUP during that starts over."""
         if self._reload_settings is None:
             log.info("SIGHUP: nothing to reload")
             return
@@ -145,16 +147,15 @@ class Service:
             log.error("SIGHUP: config error: %s; nothing reloaded", exc)
             return
         logs.set_level(fresh.service.log_level)
-        reloaded = [f"log level {fresh.service.log_level}"]
-        if self.control is not None:
-            try:
-                count = self.control.reload_curve()
-            except AuthError as exc:
-                log.error("SIGHUP: control.curve_authorized_keys: %s; keeping the keys loaded", exc)
-            else:
-                if count is not None:
-                    reloaded.append(f"{count} authorised CURVE client key(s)")
-        log.info("SIGHUP: reloaded %s", ", ".join(reloaded))
+        reloaded = f"log level {fresh.service.log_level}"
+        curve = self.control.curve if self.control is not None else None
+        if self._key_reload is not None:
+            self._key_reload.cancel()
+            self._key_reload = None
+        if curve is None:
+            log.info("SIGHUP: reloaded %s", reloaded)
+        else:
+            self._key_reload = asyncio.create_task(self._reload_keys(curve, reloaded))
         changed = [
             f"{section}.{key}"
             for section, values in fresh.model_dump().items()
@@ -164,6 +165,15 @@ class Service:
         ]
         if changed:
             log.warning("SIGHUP: %s changed; restart the daemon to apply", ", ".join(changed))
+
+    async def _reload_keys(self, curve: CurveServer, reloaded: str) -> None:
+        try:
+            count = await curve.reload()
+        except AuthError as exc:
+            log.error("SIGHUP: control.curve_authorized_keys: %s; keeping the keys loaded", exc)
+            log.info("SIGHUP: reloaded %s", reloaded)
+        else:
+            log.info("SIGHUP: reloaded %s, %d authorised CURVE client key(s)", reloaded, count)
 
     def request_exit(self) -> None:
         if not self._exit.is_set():
@@ -244,6 +254,8 @@ class Service:
         self._caps = []
         self.operations.owners.close()
         tasks, self._tasks = self._tasks, []
+        if self._key_reload is not None:
+            tasks.append(self._key_reload)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpubd.daemon.cache import CacheError, RankCache, RequestId
+from kvpubd.daemon.decoding import decode_tokens_in_slices
 from kvpubd.daemon.pending import Pending
 from kvpubd.protocol.hashing import chain_digests, root_key
+from kvpubd.protocol.int_arrays import IntArray
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ StoreResult = tuple[list[int], int]  # block ids, cached tokens
 @dataclass(slots=True)
 class _Queued:
     request_id: RequestId
-    tokens: np.ndarray
+    tokens: np.ndarray | IntArray  # a list still to decode (a slice per loop turn first)
     lora_id: int | None
     lora_name: str | None
     cache_salt: str | None
@@ -68,7 +70,7 @@ class StoreQueue:
     def submit(
         self,
         request_id: RequestId,
-        tokens: np.ndarray,
+        tokens: np.ndarray | IntArray,
         lora_id: int | None,
         lora_name: str | None,
         cache_salt: str | None,
@@ -116,6 +118,8 @@ class StoreQueue:
             self.queued_tokens -= len(item.tokens)
 
     async def _store(self, item: _Queued) -> StoreResult:
+        if isinstance(item.tokens, IntArray):
+            item.tokens = await decode_tokens_in_slices(item.tokens)
         cache = self._cache
         size = cache.block_size
         digests: list[bytes] = []

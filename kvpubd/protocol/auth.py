@@ -8,9 +8,11 @@ keys are."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import inspect
 import logging
+import os
 import stat
 import threading
 import time
@@ -26,6 +28,10 @@ log = logging.getLogger(__name__)
 
 
 _Z85_CHARS = set(zmq.utils.z85.Z85CHARS)
+# Key files read per loop turn on a reload: each costs tens of microseconds, so 2000 read in
+# one step held a reset back for 0.1-0.2 s.
+KEY_FILES_PER_TURN = 16
+MAX_KEY_FILE_BYTES = 64 << 10
 
 
 class AuthError(ValueError):
@@ -61,20 +67,37 @@ class CurveServer:
         self.authorized_dir = authorized_dir
         self._authenticator = _LoggingAuthenticator(context, log=log)
         self._authenticator.start()
-        count = self.reload()
+        keys = authorized_keys(authorized_dir)
+        self.authorize(keys)
         log.info(
             "control: CURVE on, server key %s, %d authorised client key(s) in %s",
             self.public.decode(),
-            count,
+            len(keys),
             authorized_dir,
         )
 
-    def reload(self) -> int:
-        """Read the authorised keys again (SIGHUP); returns how many there are. AuthError
-        leaves the keys loaded before in force."""
-        count = len(authorized_keys(self.authorized_dir))
-        self._authenticator.configure_curve(domain="*", location=str(self.authorized_dir))
-        return count
+    def authorize(self, keys: list[bytes]) -> None:
+        """Admit exactly these client keys. pyzmq's ``configure_curve`` would parse every
+        file again; one assignment also means its thread sees the old set or the new one."""
+        self._authenticator.allow_any = False
+        self._authenticator.certs["*"] = dict.fromkeys(keys, True)
+
+    async def reload(self) -> int:
+        """Read the authorised keys again (SIGHUP), ``KEY_FILES_PER_TURN`` directory entries
+        per loop turn (the listing too: thousands of entries take milliseconds), then admit
+        them; returns how many there are. AuthError leaves the keys loaded before in force."""
+        keys = []
+        try:
+            with os.scandir(self.authorized_dir) as entries:
+                for seen, entry in enumerate(entries, 1):
+                    if entry.name.endswith(".key"):
+                        keys.append(read_authorized_key(Path(entry.path)))
+                    if seen % KEY_FILES_PER_TURN == 0:
+                        await asyncio.sleep(0)
+        except OSError as exc:
+            raise AuthError(f"{self.authorized_dir}: {exc.strerror}") from None
+        self.authorize(keys)
+        return len(keys)
 
     def admits(self, user_id: str | None) -> bool:
         """Whether a request's ``User-Id`` (the client's public key, z85, which the
@@ -175,13 +198,35 @@ def check_curve_settings(control: Any) -> None:
 def authorized_keys(directory: Path) -> list[bytes]:
     """The public keys of every ``*.key`` certificate in ``directory``; AuthError naming the
     first file that is not one (pyzmq would skip it, and lock its client out silently)."""
-    keys = []
-    for path in sorted(directory.glob("*.key")):
-        public = load_public_certificate(path)
-        if len(public) != 40 or not set(public) <= _Z85_CHARS:
-            raise AuthError(f"{path}: its public key is not a 40-character Z85 CURVE key")
-        keys.append(public)
-    return keys
+    return [read_authorized_key(path) for path in authorized_key_files(directory)]
+
+
+def authorized_key_files(directory: Path) -> list[Path]:
+    """The ``*.key`` files of ``directory``, sorted."""
+    try:
+        with os.scandir(directory) as entries:
+            names = [entry.name for entry in entries if entry.name.endswith(".key")]
+    except OSError as exc:
+        raise AuthError(f"{directory}: {exc.strerror}") from None
+    return [directory / name for name in sorted(names)]
+
+
+def read_authorized_key(path: Path) -> bytes:
+    """The public key of one client certificate; AuthError unless it is a regular file of at
+    most ``MAX_KEY_FILE_BYTES`` holding a 40-character Z85 key (a FIFO would block the
+    reading loop until a writer came)."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise AuthError(f"{path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise AuthError(f"{path}: not a regular file")
+    if info.st_size > MAX_KEY_FILE_BYTES:
+        raise AuthError(f"{path}: {info.st_size} bytes; a certificate is under 1 KiB")
+    public = load_public_certificate(path)
+    if len(public) != 40 or not set(public) <= _Z85_CHARS:
+        raise AuthError(f"{path}: its public key is not a 40-character Z85 CURVE key")
+    return public
 
 
 def create_keys(directory: Path, name: str, force: bool = False) -> tuple[Path, Path]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -286,8 +288,7 @@ def load_settings(
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            with open(path, "rb") as handle:
-                data = tomllib.load(handle)
+            data = tomllib.loads(read_config_text(path))
         except FileNotFoundError:
             raise ConfigError(f"config file {path}: not found") from None
         except OSError as exc:
@@ -305,6 +306,30 @@ def load_settings(
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+
+
+# A config file is a few KiB (config/kvpubd.toml, every key, is under 8); the bound keeps a
+# wrong path (/dev/zero, a huge file) from stalling start-up or a SIGHUP reload.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_config_text(path: Path) -> str:
+    """The text of a config file; ConfigError unless it is a regular file of at most
+    MAX_CONFIG_BYTES. Opened non-blocking: a FIFO would otherwise wait for a writer (on the
+    loop, at a SIGHUP)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"config file {path}: not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {path}: {info.st_size} bytes; the limit is {MAX_CONFIG_BYTES}"
+            )
+        raw = handle.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:  # grew since the check
+        raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+    return raw.decode("utf-8")
 
 
 def log_level_option(value: str) -> str:

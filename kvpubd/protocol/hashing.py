@@ -9,7 +9,7 @@ under another adapter or salt never share blocks. ``H`` is sha256 (32-byte diges
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from hashlib import sha256
 from typing import Literal
 
@@ -33,7 +33,8 @@ def root_key(
     return xxh3_128_digest(key) if algorithm == "xxhash" else sha256(key).digest()
 
 
-def token_count(token_ids: list[int] | bytes) -> int:
+def token_count(token_ids: Sized) -> int:
+    """Tokens in packed uint32 bytes, or items in a list of them."""
     return (
         len(token_ids) // TOKEN_DTYPE.itemsize if isinstance(token_ids, bytes) else len(token_ids)
     )

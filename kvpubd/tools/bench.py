@@ -1127,7 +1127,7 @@ def measure_throughput(
             while sent < len(prompts) and in_flight[route[sent % ranks]] < window:
                 rank = sent % ranks
                 probe = route[rank]
-                probe.send("store", request_id=sent, token_ids=prompts[sent], rank=rank)
+                probe.send("store", request_id=sent, rank=rank, token_ids=prompts[sent])
                 probe.send("release", request_id=sent)
                 sent += 1
                 in_flight[probe] += 2

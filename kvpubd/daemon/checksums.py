@@ -1,0 +1,38 @@
+"""A ``checksum`` reply put together across loop turns: the pool checksums a slice of the ids
+per turn (``checksum_steps``) and each slice's sums are encoded as they come, so neither the
+pool's bytes nor a long id list hold a reset back. A reset in between goes first; blocks it
+freed are checksummed as zeros (scrubbed first), like any free block."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+
+
+async def checksum_reply(
+    head: dict[str, Any], count: int, steps: Iterator[np.ndarray | None]
+) -> bytes:
+    """The reply map ``head`` plus ``checksums``: the ``count`` sums the steps yield, one step
+    per loop turn."""
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(head) + 1)]
+    for key, value in head.items():
+        parts += (packer.pack(key), packer.pack(value))
+    parts += (packer.pack("checksums"), packer.pack_array_header(count))
+    for sums in steps:
+        if sums is not None:
+            parts.append(_array_items(packer, sums.tolist()))
+        await asyncio.sleep(0)
+    return b"".join(parts)
+
+
+def _array_items(packer: msgpack.Packer, values: list[int]) -> bytes:
+    """``values`` packed as array items, without the array's header (parts of a longer one)."""
+    packed: bytes = packer.pack(values)
+    count = len(values)
+    header = 1 if count < 16 else 3 if count < 1 << 16 else 5
+    return packed[header:]

@@ -1,0 +1,96 @@
+"""SIGHUP reload and start-up never wait on what a path turns out to be: a config path that is
+a FIFO, a device or a huge file is refused with one line, and the CURVE authorised keys are
+read once, a few files per loop turn (issue item 10)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvpubd.protocol.auth import KEY_FILES_PER_TURN, AuthError, CurveServer, create_keys
+from kvpubd.protocol.config import MAX_CONFIG_BYTES, ConfigError, load_settings
+from tests.test_cli import kvpubd
+from tests.test_cli_errors import assert_one_line
+
+
+def test_config_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "kvpubd.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_settings(fifo)
+
+
+def test_config_larger_than_the_bound_is_refused(tmp_path: Path) -> None:
+    big = tmp_path / "kvpubd.toml"
+    big.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match=f"the limit is {MAX_CONFIG_BYTES}"):
+        load_settings(big)
+
+
+def test_serve_with_config_dev_zero_exits_2_with_one_line() -> None:
+    result = kvpubd("serve", "--config", "/dev/zero", timeout=20)
+    assert_one_line(result, 2, "/dev/zero", "not a regular file")
+
+
+@pytest.fixture
+def curve(tmp_path: Path) -> Iterator[tuple[CurveServer, Path]]:
+    _, secret = create_keys(tmp_path / "server", "server")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    context = zmq.Context()
+    server = CurveServer(context, secret, allowed)
+    try:
+        yield server, allowed
+    finally:
+        server.stop()
+        context.destroy(linger=0)
+
+
+def add_client_keys(directory: Path, count: int) -> set[bytes]:
+    """``count`` client public key files in ``directory``; their keys."""
+    keys = set()
+    for i in range(count):
+        public, _ = zmq.curve_keypair()
+        (directory / f"c{i}.key").write_text(
+            f'metadata\ncurve\n    public-key = "{public.decode()}"\n'
+        )
+        keys.add(public)
+    return keys
+
+
+def run_counting_turns(coroutine: object) -> tuple[int, object]:
+    """Drive a coroutine that only yields bare loop turns (asyncio.sleep(0)) to its end by
+    hand; (turns it yielded, its result)."""
+    turns = 0
+    while True:
+        try:
+            coroutine.send(None)  # type: ignore[attr-defined]
+        except StopIteration as done:
+            return turns, done.value
+        turns += 1
+
+
+def test_key_reload_reads_a_few_files_per_loop_turn(curve: tuple[CurveServer, Path]) -> None:
+    server, allowed = curve
+    count = 10 * KEY_FILES_PER_TURN
+    keys = add_client_keys(allowed, count)
+    turns, loaded = run_counting_turns(server.reload())
+    assert loaded == count
+    # Every turn reads at most KEY_FILES_PER_TURN files: the reload takes that many turns.
+    assert turns >= count // KEY_FILES_PER_TURN - 1
+    assert set(server._authenticator.certs["*"]) == keys
+
+
+def test_key_reload_that_fails_keeps_the_keys_loaded(curve: tuple[CurveServer, Path]) -> None:
+    server, allowed = curve
+    keys = add_client_keys(allowed, 3)
+    asyncio.run(server.reload())
+    os.mkfifo(allowed / "stuck.key")  # would block a reader until a writer came
+    with pytest.raises(AuthError, match="not a regular file"):
+        asyncio.run(server.reload())
+    assert set(server._authenticator.certs["*"]) == keys
