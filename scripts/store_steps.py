@@ -1,0 +1,126 @@
+"""The longest loop step each large-store case takes, in-process (a monitor task wakes every
+loop turn; the largest gap between its wake-ups is the longest step anything else took).
+
+    PYTHONPATH=$PWD python scripts/store_steps.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvpubd.daemon.pending import Pending
+from kvpubd.daemon.service import Service
+from kvpubd.protocol.config import Settings
+
+BLOCKS = 62_500
+TINY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
+
+
+class StepMonitor:
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    def __enter__(self) -> StepMonitor:
+        self._task = asyncio.ensure_future(self._watch())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+async def settle(reply: Any) -> dict[str, Any]:
+    if isinstance(reply, Pending):
+        done: list[Any] = []
+        reply.then(lambda value, error: done.append(value if error is None else error))
+        while not done:
+            await asyncio.sleep(0)
+        reply = done[0]
+    return msgpack.unpackb(bytes(reply), raw=False)
+
+
+async def main() -> None:
+    tmp = tempfile.mkdtemp(prefix="store-steps-")
+    settings = Settings(
+        events={"endpoint": f"ipc://{tmp}/ev", "replay_endpoint": "", "tick_interval_ms": 10},
+        control={"endpoint": f"ipc://{tmp}/ctl", "max_blocks_per_store": BLOCKS},
+        cache={**TINY, "num_blocks": BLOCKS + 4096},
+        service={"linger_ms": 0},
+    )
+    service = Service(settings)
+    await service.startup()
+    control = service.control
+    assert control is not None
+    seq = iter(range(1 << 30))
+
+    def frames(op: str, **fields: Any) -> list[bytes]:
+        return [b"peer", b"", msgpack.packb({"op": op, "id": next(seq), **fields})]
+
+    tokens = np.random.default_rng(0).integers(0, 1 << 31, BLOCKS * 16, dtype="<u4").tobytes()
+
+    async def case(name: str, run: Callable[[], Awaitable[Any]]) -> None:
+        await asyncio.sleep(0.05)
+        with StepMonitor() as monitor:
+            await asyncio.sleep(0)  # the monitor's first wake-up
+            await asyncio.sleep(0)
+            started = time.perf_counter()
+            await run()
+            total = time.perf_counter() - started
+            await asyncio.sleep(0)  # the monitor sees the last step
+            await asyncio.sleep(0)
+        print(f"{name:48s} longest step {monitor.longest * 1e3:7.2f} ms, total {total:6.2f} s")
+
+    async def store(request_id: str) -> None:
+        reply = await settle(control.handle_frames(frames("store", request_id=request_id, token_ids=tokens)))
+        assert reply["ok"], reply
+
+    async def release(request_id: str) -> None:
+        assert (await settle(control.handle_frames(frames("release", request_id=request_id))))["ok"]
+
+    async def flood() -> None:
+        replies = [control.handle_frames(frames("store", request_id="big2", token_ids=tokens))]
+        for i in range(30_000):
+            replies.append(control.handle_frames(frames("store", request_id=f"e{i}", token_ids=b"")))
+            if i % 64 == 63:
+                await asyncio.sleep(0)  # the control server reads 64 requests per wake-up
+        for reply in replies:
+            await settle(reply)
+
+    async def many_open() -> None:
+        for i in range(50_000):
+            control.handle_frames(frames("store", request_id=f"o{i}", token_ids=b""))
+            if i % 64 == 63:
+                await asyncio.sleep(0)
+        started = time.perf_counter()
+        await settle(control.handle_frames(frames("stats")))
+        print(f"  stats with up to 50 000 open requests: {(time.perf_counter() - started) * 1e3:.2f} ms")
+
+    await case(f"new store of {BLOCKS} blocks", lambda: store("a"))
+    await case("release of it", lambda: release("a"))
+    await case("cached store of the same prompt", lambda: store("b"))
+    await case("release of it", lambda: release("b"))
+    await case("a large store + 30 000 empty stores", flood)
+    await case("50 000 empty stores, then stats", many_open)
+    await service.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+    sys.exit(0)
