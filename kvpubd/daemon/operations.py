@@ -15,6 +15,7 @@ import msgpack
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Reply
+from kvpubd.daemon.encoded import ok_reply as encoded_ok_reply
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
@@ -92,7 +93,7 @@ class Operations:
         it finishes."""
 
         def answer(fields: dict[str, Any]) -> bytes:
-            return ok_reply(request.id, **fields)
+            return encoded_ok_reply(request.id, fields)
 
         reply: Pending[bytes] = Pending()
 
