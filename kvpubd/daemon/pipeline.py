@@ -162,13 +162,19 @@ class RankPipeline:
         return {"rank": self.rank, "block_ids": block_ids, "num_cached_tokens": cached}
 
     def release(self, request_id: str | int) -> dict[str, Any] | Pending[dict[str, Any]]:
-        """The release's reply fields; those to come for a large one (unpinned in slices)
-        or one behind queued work (a store still under way included): a client that sends
-        store and release back to back never leaves blocks pinned."""
-        lease = self.cache.leases.get(request_id)
-        if self._stores.busy or (lease is not None and len(lease.blocks) > SYNC_BLOCKS):
+        """The release's reply fields; for a store still under way or queued, those to come
+        once it is done, answered right after it: a client that sends store and release back
+        to back never leaves blocks pinned. An open request is closed at once (a reset right
+        behind it is not refused busy); its blocks are unpinned before any later store of the
+        rank runs, a slice per loop turn when there are many."""
+        if self._stores.holds(request_id):
             return self._stores.submit_release(request_id).map(self._release_reply)
-        return self._release_reply(self.cache.release(request_id))
+        lease = self.cache.end_lease(request_id)
+        if self._stores.busy or len(lease.blocks) > SYNC_BLOCKS:
+            self._stores.submit_unpin(lease.blocks)
+        else:
+            self.cache.unpin(lease.blocks)
+        return self._release_reply(lease.size)
 
     def _release_reply(self, released: int) -> dict[str, Any]:
         return {"rank": self.rank, "released": released}

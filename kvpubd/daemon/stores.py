@@ -60,8 +60,19 @@ class _Store:
 
 @dataclass(slots=True)
 class _Release:
+    """The release of a store under way or queued: done once the store is."""
+
     request_id: RequestId
     result: Pending[int] = field(default_factory=Pending)
+
+
+@dataclass(slots=True)
+class _Unpin:
+    """The blocks of a request released already (and answered): unpinned before any later
+    store of the rank runs."""
+
+    blocks: list[int]
+    generation: int
 
 
 class _Overtaken(Exception):
@@ -77,7 +88,7 @@ class StoreQueue:
         max_queued: int = MAX_QUEUED,
     ) -> None:
         self._cache = cache
-        self._queue: deque[_Store | _Release] = deque()
+        self._queue: deque[_Store | _Release | _Unpin] = deque()
         self._stores: dict[RequestId, _Store] = {}  # the queued stores, by request id
         self._task: asyncio.Task[None] | None = None
         self._on_captured = on_captured  # after each inserted slice: the capture may go out
@@ -117,11 +128,17 @@ class StoreQueue:
         return item.result
 
     def submit_release(self, request_id: RequestId) -> Pending[int]:
-        """Queue a release; the blocks it unpinned, once done."""
+        """Queue the release of a store under way or queued; the blocks it unpinned, once
+        done (raises CacheError ``busy`` while the queue is full)."""
         self._check_room(0)
         item = _Release(request_id)
         self._push(item)
         return item.result
+
+    def submit_unpin(self, blocks: list[int]) -> None:
+        """Queue the unpinning of a released request's blocks. Never refused: the request is
+        closed already, and open requests are bounded."""
+        self._push(_Unpin(blocks, self._cache.generation))
 
     def _check_room(self, tokens: int) -> None:
         if not self._queue:
@@ -135,7 +152,7 @@ class StoreQueue:
                 "this rank; retry once their replies came",
             )
 
-    def _push(self, item: _Store | _Release) -> None:
+    def _push(self, item: _Store | _Release | _Unpin) -> None:
         self._queue.append(item)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="kvpubd large stores")
@@ -144,7 +161,8 @@ class StoreQueue:
         if self._task is not None:
             self._task.cancel()
         for item in self._queue:
-            item.result.fail(asyncio.CancelledError())
+            if not isinstance(item, _Unpin):
+                item.result.fail(asyncio.CancelledError())
         self._queue.clear()
         self._stores.clear()
         self.queued_tokens = 0
@@ -157,8 +175,11 @@ class StoreQueue:
                 await self._settle(item.result, self._store(item), item.request_id)
                 del self._stores[item.request_id]
                 self.queued_tokens -= len(item.tokens)
-            else:
+            elif isinstance(item, _Release):
                 await self._settle(item.result, self._release(item), item.request_id)
+            else:
+                unpinned: Pending[None] = Pending()  # answered already: logs a bug, no more
+                await self._settle(unpinned, self._unpin(item.blocks, item.generation), "")
             self._queue.popleft()
 
     async def _settle(
@@ -241,16 +262,20 @@ class StoreQueue:
 
     async def _release(self, item: _Release) -> int:
         await self._spend(REQUEST_UNITS)
+        lease = self._cache.end_lease(item.request_id)
+        await self._unpin(lease.blocks, self._cache.generation)
+        return lease.size
+
+    async def _unpin(self, blocks: list[int], generation: int) -> None:
+        """Unpin the blocks pinned in the cache of ``generation``, deepest first (so the
+        released chain is evicted tail-first); a reset unpinned them all."""
         cache = self._cache
-        lease = cache.end_lease(item.request_id)
-        generation = cache.generation
-        end = len(lease.blocks)
+        end = len(blocks)
         try:
-            while end:  # deepest first, so the released chain is evicted tail-first
+            while end and generation == cache.generation:
                 start = max(0, end - SLICE_BLOCKS)
                 await self._spend(end - start, generation)
-                cache.unpin(lease.blocks[start:end])
+                cache.unpin(blocks[start:end])
                 end = start
         except _Overtaken:
-            pass  # the reset unpinned everything
-        return lease.size
+            pass
