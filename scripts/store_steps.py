@@ -1,6 +1,8 @@
 """The longest loop step each large-store case takes, in-process (a monitor task wakes every
 loop turn; the largest gap between its wake-ups is the longest step anything else took), in
-wall-clock time and in this thread's CPU time (which a busy shared host inflates less).
+wall-clock time and in this thread's CPU time (which a busy shared host inflates less); and
+the longest step of each task in CPU time (the store queue's task is "kvpubd large stores"; the
+caller's task, "main", does what the control socket would: parse and hand over requests).
 
     PYTHONPATH=$PWD python scripts/store_steps.py
 """
@@ -24,6 +26,35 @@ from kvpubd.protocol.config import Settings
 
 BLOCKS = 62_500
 TINY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
+
+
+class TaskSteps:
+    """The longest CPU time one step of each task took, by wrapping the loop's callbacks."""
+
+    def __init__(self) -> None:
+        self.longest: dict[str, float] = {}
+        run = asyncio.events.Handle._run
+        longest = self.longest
+
+        def timed(handle: asyncio.events.Handle) -> None:
+            started = time.thread_time()
+            run(handle)
+            elapsed = time.thread_time() - started
+            owner = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
+            name = owner.get_name() if isinstance(owner, asyncio.Task) else "callbacks"
+            if isinstance(owner, asyncio.Task) and name.startswith("Task-"):
+                name = owner.get_coro().__qualname__  # type: ignore[union-attr]
+            longest[name] = max(longest.get(name, 0.0), elapsed)
+
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+
+    def report(self) -> str:
+        top = sorted(self.longest.items(), key=lambda item: -item[1])[:3]
+        self.longest.clear()
+        return ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in top)
+
+
+TASK_STEPS = TaskSteps()
 
 
 class StepMonitor:
@@ -94,6 +125,7 @@ async def main() -> None:
         with StepMonitor() as monitor:
             await asyncio.sleep(0)  # the monitor's first wake-up
             await asyncio.sleep(0)
+            TASK_STEPS.report()
             started = time.perf_counter()
             await run()
             total = time.perf_counter() - started
@@ -107,6 +139,7 @@ async def main() -> None:
             "ok" if reply["ok"] else reply["error"]["code"] for reply in map(msgpack.unpackb, sent)
         )
         sent.clear()
+        print(f"   longest CPU step by task (ms): {TASK_STEPS.report()}")
         print(f"   replies: {dict(codes)}")
 
     async def store(request_id: str) -> None:
@@ -115,6 +148,9 @@ async def main() -> None:
 
     async def release(request_id: str) -> None:
         sent.append(await settle(control.handle_frames(frames("release", request_id=request_id))))
+        cache = service.pipelines[0].cache
+        while cache.pinned_blocks:  # answered at once; unpinned a slice per turn
+            await asyncio.sleep(0)
 
     async def flood() -> None:
         replies = [control.handle_frames(frames("store", request_id="big2", token_ids=tokens))]
