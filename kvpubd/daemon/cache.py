@@ -230,12 +230,6 @@ class RankCache:
         self.sink.removed(evicted, hashes)
         self.pool.free(evicted)
 
-    def release(self, request_id: RequestId) -> int:
-        """Unpin an open request's blocks; returns how many it held."""
-        lease = self.end_lease(request_id)
-        self.unpin(lease.blocks)
-        return lease.size
-
     def end_lease(self, request_id: RequestId) -> Lease:
         """Close an open request and free its tail block; its full blocks stay pinned until
         the caller ``unpin``s them (in slices, deepest first, if it wants)."""
