@@ -68,6 +68,28 @@ async def test_a_cached_store_matches_and_pins_its_prefix_a_slice_per_turn(
         assert max(steps(pinned)) <= SLICE_BLOCKS, max(steps(pinned))
 
 
+async def test_a_cached_store_looks_its_prefix_up_a_slice_per_turn(tmp_path: Path) -> None:
+    """The prefix match itself (a dict lookup per block) is sliced too: counted by a spy that
+    passes every lookup on to the real index."""
+    async with in_process(tmp_path, 2 * LARGE) as daemon:
+        tokens = packed_prompt(LARGE, 10)
+        await stored_and_released(daemon, tokens)
+        index = daemon.cache.index
+        match = index.match
+        looked_up = [0]
+
+        def counted(digests: list[bytes]) -> list[int]:
+            looked_up[0] += len(digests)
+            return match(digests)
+
+        index.match = counted  # type: ignore[method-assign]
+        reply = pending(daemon.send("store", request_id="again", token_ids=tokens))
+        lookups = await daemon.per_turn(lambda: looked_up[0], lambda: reply.done)
+        assert (await daemon.answer(reply))["num_cached_tokens"] == LARGE * BLOCK_SIZE
+        assert lookups[-1] == LARGE
+        assert max(steps(lookups)) <= SLICE_BLOCKS, max(steps(lookups))
+
+
 async def test_a_large_release_unpins_a_slice_per_turn(tmp_path: Path) -> None:
     """The request is closed and answered at once; its blocks are unpinned a slice per turn."""
     async with in_process(tmp_path, 2 * LARGE) as daemon:
