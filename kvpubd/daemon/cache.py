@@ -51,8 +51,9 @@ class StorePlan:
     ``finish_store`` opens its lease. A ``clear`` in between makes it stale (``generation``).
 
     Between the slices of one plan nothing but a clear may change which blocks are cached or
-    pinned: the caller runs no other store or release of the rank meanwhile (the store queue
-    holds them back)."""
+    pinned, so its match and room check stay true: the store queue holds the rank's other
+    stores and unpinning back meanwhile (a release closing a lease frees only its tail block:
+    more room, never less)."""
 
     request_id: RequestId
     tokens: np.ndarray
