@@ -18,6 +18,7 @@ from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.checksums import checksum_reply
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.decoding import decode_in_slices, decode_tokens
+from kvpubd.daemon.encoded import ok_reply as encoded_ok_reply
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
@@ -107,7 +108,7 @@ class Operations:
         it finishes."""
 
         def answer(fields: dict[str, Any]) -> bytes:
-            return ok_reply(request.id, **fields)
+            return encoded_ok_reply(request.id, fields)
 
         return self._settled(request, pending.map(answer))
 

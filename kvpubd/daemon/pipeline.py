@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvpubd.daemon.cache import CacheError, RankCache
+from kvpubd.daemon.cache import CacheError, RankCache, StoreResult
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import SCRUB_SLICE_BYTES, pool_segment_name
@@ -22,7 +22,7 @@ from kvpubd.daemon.publisher import Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
-from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue, StoreResult
+from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.protocol.config import Settings, rank_endpoint
 from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import BlockStored
@@ -88,8 +88,11 @@ class RankPipeline:
             raise
         self.resets = 0
         self._stores = StoreQueue(
-            self.cache, QUEUED_REQUESTS * settings.control.max_tokens_per_request
+            self.cache,
+            QUEUED_REQUESTS * settings.control.max_tokens_per_request,
+            on_captured=self._flush_if_full,
         )
+        self._max_open_requests = settings.control.max_open_requests
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
         self._scrub: asyncio.Task[None] | None = None
@@ -134,7 +137,14 @@ class RankPipeline:
         cache_salt: str | None,
     ) -> dict[str, Any] | Pending[dict[str, Any]]:
         """The store's reply fields, or those to come for a store done in slices (a large
-        one, a long token list still to decode, or any behind one)."""
+        one, a long token list still to decode, or any behind queued work)."""
+        opened = len(self.cache.leases) + self._stores.stores_queued
+        if opened >= self._max_open_requests:
+            raise CacheError(
+                "too_many_requests",
+                f"{opened} requests are open on rank {self.rank}, the most it takes "
+                "(control.max_open_requests): release some first",
+            )
         if (
             self._stores.busy
             or isinstance(tokens, IntArray)
@@ -146,38 +156,34 @@ class RankPipeline:
             self.cache.store(request_id, tokens, lora_id, lora_name, cache_salt)
         )
 
-    def _store_reply(self, result: StoreResult) -> dict[str, Any]:
-        # Right after the store's capture (also for one done in slices): while the drain is
+    def _flush_if_full(self) -> None:
+        # Right after a capture (also a slice of one done in slices): while the drain is
         # paused, nothing goes out before a reset or a resume.
         if self.sink.pending_blocks >= FLUSH_BLOCKS and not self._drain_paused():
             self.flush()
+
+    def _store_reply(self, result: StoreResult) -> dict[str, Any]:
+        self._flush_if_full()
         block_ids, cached = result
         return {"rank": self.rank, "block_ids": block_ids, "num_cached_tokens": cached}
 
     def release(self, request_id: str | int) -> dict[str, Any] | Pending[dict[str, Any]]:
-        """The release's reply fields; for a store still under way (a large one, or one
-        queued behind it), those to come once it is done, answered right after the store: a
-        client that sends store and release back to back never leaves blocks pinned."""
-        store = self._stores.result_of(request_id)
-        if store is None:
-            return self._released(request_id)
-        released: Pending[dict[str, Any]] = Pending()
+        """The release's reply fields; for a store still under way or queued, those to come
+        once it is done, answered right after it: a client that sends store and release back
+        to back never leaves blocks pinned. An open request is closed at once (a reset right
+        behind it is not refused busy); its blocks are unpinned before any later store of the
+        rank runs, a slice per loop turn when there are many."""
+        if self._stores.holds(request_id):
+            return self._stores.submit_release(request_id).map(self._release_reply)
+        lease = self.cache.end_lease(request_id)
+        if self._stores.busy or len(lease.blocks) > SYNC_BLOCKS:
+            self._stores.submit_unpin(lease.blocks)
+        else:
+            self.cache.unpin(lease.blocks)
+        return self._release_reply(lease.size)
 
-        def after_store(_: StoreResult | None, error: BaseException | None) -> None:
-            if isinstance(error, asyncio.CancelledError):
-                released.fail(error)
-                return
-            try:
-                # A store that failed opened nothing: the release finds nothing open.
-                released.resolve(self._released(request_id))
-            except CacheError as exc:
-                released.fail(exc)
-
-        store.then(after_store)
-        return released
-
-    def _released(self, request_id: str | int) -> dict[str, Any]:
-        return {"rank": self.rank, "released": self.cache.release(request_id)}
+    def _release_reply(self, released: int) -> dict[str, Any]:
+        return {"rank": self.rank, "released": released}
 
     def reset(self) -> int | None:
         """Clear the cache and publish the marker at once, after everything captured before

@@ -61,6 +61,10 @@ class RadixIndex:
             matched.append(block_id)
         return matched
 
+    def count_unpinned(self, block_ids: list[int]) -> int:
+        """How many of ``block_ids`` no request pins (in C: no bytecode per block)."""
+        return list(map(self._refs.__getitem__, block_ids)).count(0)
+
     def pin(self, block_ids: list[int]) -> None:
         refs = self._refs
         evictable = self._evictable

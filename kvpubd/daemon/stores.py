@@ -1,11 +1,18 @@
-"""Stores too large for one loop step, carried out a slice at a time.
+"""A rank's stores and releases too large for one loop step, carried out a budget per loop turn.
 
-A store costs a few microseconds per new block (hash chain, eviction, index, pool), so one of
-thousands of blocks would hold a reset back for tens of milliseconds. Such a store is hashed,
-then inserted, ``SLICE_BLOCKS`` blocks per loop turn; a reset in between wins, and the store
-starts again on the emptied cache (its hashes are kept). While one is under way, every later
-store of the rank queues behind it: stores apply in arrival order, and no other store sees its
-half-inserted blocks or changes the pool between its check and its last slice.
+A store costs a few microseconds per block (hash chain, prefix match, pin, eviction, index,
+pool, capture) and a release about one (unpin), so one of thousands of blocks would hold a
+reset back for tens of milliseconds. Such a store is hashed, matched, pinned and inserted, and
+such a release unpinned, ``TURN_UNITS`` blocks' worth of work per loop turn; a reset in between
+wins: the store starts again on the emptied cache (its hashes are kept), the release is done
+(the reset unpinned everything).
+
+While one is under way, every later store and release of the rank queues behind it: they apply
+in arrival order, and none changes which blocks are cached or pinned between another's slices
+(a store's prefix match and room check stay true until it pins them). Queued small ones share
+the same budget per turn, each costing ``REQUEST_UNITS`` besides its blocks: thousands
+pipelined behind a large store never run in one step when it ends. The queue is bounded in
+requests and in tokens, and lookups by request id are O(1).
 """
 
 from __future__ import annotations
@@ -13,30 +20,38 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpubd.daemon.cache import CacheError, RankCache, RequestId
+from kvpubd.daemon.cache import CacheError, RankCache, RequestId, StoreResult
 from kvpubd.daemon.decoding import decode_tokens_in_slices
 from kvpubd.daemon.pending import Pending
 from kvpubd.protocol.hashing import chain_digests, root_key
 from kvpubd.protocol.int_arrays import IntArray
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-SYNC_BLOCKS = 512  # full blocks a store may cover and still run in one loop step
-SLICE_BLOCKS = 512  # blocks hashed, or inserted, per loop turn
+SYNC_BLOCKS = 512  # full blocks a store (or a release) may cover and still run in one step
+SLICE_BLOCKS = 512  # blocks hashed, matched, pinned, inserted or unpinned at a time
+TURN_UNITS = SLICE_BLOCKS  # work per loop turn, in blocks
+# What a request costs besides its blocks (its lease, its reply, the reply's send), in blocks:
+# an empty store (~30 us: lease, reply, send) costs about as much as inserting 32 blocks.
+REQUEST_UNITS = 32
 # Largest requests' worth of tokens the queue holds before it refuses more stores (busy): a
 # client that pipelines stores without reading the replies cannot grow the daemon's memory
-# without bound (the queue drains one slice per loop turn; requests are read much faster).
+# without bound (the queue drains a budget per loop turn; requests are read much faster).
 QUEUED_REQUESTS = 4
-
-StoreResult = tuple[list[int], int]  # block ids, cached tokens
+# Requests (stores and releases) the queue holds before it refuses more (busy): small ones,
+# which the token bound hardly counts, are bounded too.
+MAX_QUEUED = 1024
 
 
 @dataclass(slots=True)
-class _Queued:
+class _Store:
     request_id: RequestId
     tokens: np.ndarray | IntArray  # a list still to decode (a slice per loop turn first)
     lora_id: int | None
@@ -45,27 +60,57 @@ class _Queued:
     result: Pending[StoreResult] = field(default_factory=Pending)
 
 
+@dataclass(slots=True)
+class _Release:
+    """The release of a store under way or queued: done once the store is."""
+
+    request_id: RequestId
+    result: Pending[int] = field(default_factory=Pending)
+
+
+@dataclass(slots=True)
+class _Unpin:
+    """The blocks of a request released already (and answered): unpinned before any later
+    store of the rank runs."""
+
+    blocks: list[int]
+    generation: int
+
+
+class _Overtaken(Exception):
+    """A reset cleared the cache between two slices of the work."""
+
+
 class StoreQueue:
-    def __init__(self, cache: RankCache, max_queued_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: RankCache,
+        max_queued_tokens: int,
+        on_captured: Callable[[], None] = lambda: None,
+        max_queued: int = MAX_QUEUED,
+    ) -> None:
         self._cache = cache
-        self._queue: deque[_Queued] = deque()
+        self._queue: deque[_Store | _Release | _Unpin] = deque()
+        self._stores: dict[RequestId, _Store] = {}  # the queued stores, by request id
         self._task: asyncio.Task[None] | None = None
+        self._on_captured = on_captured  # after each inserted slice: the capture may go out
         self.max_queued_tokens = max_queued_tokens
+        self.max_queued = max_queued
         self.queued_tokens = 0
+        self._spent = 0  # units of work done in the current loop turn
 
     @property
     def busy(self) -> bool:
         return bool(self._queue)
 
-    def holds(self, request_id: RequestId) -> bool:
-        return self.result_of(request_id) is not None
+    @property
+    def stores_queued(self) -> int:
+        """Stores under way or queued: each opens a request once done."""
+        return len(self._stores)
 
-    def result_of(self, request_id: RequestId) -> Pending[StoreResult] | None:
-        """The result to come of the store of ``request_id`` under way or queued, if any."""
-        for item in self._queue:
-            if item.request_id == request_id:
-                return item.result
-        return None
+    def holds(self, request_id: RequestId) -> bool:
+        """A store of ``request_id`` is under way or queued."""
+        return request_id in self._stores
 
     def submit(
         self,
@@ -75,70 +120,173 @@ class StoreQueue:
         lora_name: str | None,
         cache_salt: str | None,
     ) -> Pending[StoreResult]:
-        """Queue a store; raises CacheError ``busy`` (changing nothing) while the queue holds
-        ``max_queued_tokens`` tokens. An empty queue takes any store."""
-        if self._queue and self.queued_tokens + len(tokens) > self.max_queued_tokens:
+        """Queue a store; raises CacheError ``busy`` (changing nothing) while the queue is
+        full. An empty queue takes any store."""
+        self._check_room(len(tokens))
+        item = _Store(request_id, tokens, lora_id, lora_name, cache_salt)
+        self._stores[request_id] = item
+        self.queued_tokens += len(tokens)
+        self._push(item)
+        return item.result
+
+    def submit_release(self, request_id: RequestId) -> Pending[int]:
+        """Queue the release of a store under way or queued; the blocks it unpinned, once
+        done (raises CacheError ``busy`` while the queue is full)."""
+        self._check_room(0)
+        item = _Release(request_id)
+        self._push(item)
+        return item.result
+
+    def submit_unpin(self, blocks: list[int]) -> None:
+        """Queue the unpinning of a released request's blocks. Never refused: the request is
+        closed already, and open requests are bounded."""
+        self._push(_Unpin(blocks, self._cache.generation))
+
+    def _check_room(self, tokens: int) -> None:
+        if not self._queue:
+            return
+        if len(self._queue) >= self.max_queued or self.queued_tokens + tokens > (
+            self.max_queued_tokens
+        ):
             raise CacheError(
                 "busy",
-                f"{len(self._queue)} stores of {self.queued_tokens} tokens are queued on this "
-                "rank; retry once their replies came",
+                f"{len(self._queue)} requests ({self.queued_tokens} tokens) are queued on "
+                "this rank; retry once their replies came",
             )
-        item = _Queued(request_id, tokens, lora_id, lora_name, cache_salt)
+
+    def _push(self, item: _Store | _Release | _Unpin) -> None:
         self._queue.append(item)
-        self.queued_tokens += len(tokens)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="kvpubd large stores")
-        return item.result
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
         for item in self._queue:
-            item.result.fail(asyncio.CancelledError())
+            if not isinstance(item, _Unpin):
+                item.result.fail(asyncio.CancelledError())
         self._queue.clear()
+        self._stores.clear()
         self.queued_tokens = 0
 
     async def _run(self) -> None:
+        self._spent = 0  # a task starts on a loop turn of its own
         while self._queue:
             item = self._queue[0]
-            try:
-                result = await self._store(item)
-            except CacheError as exc:
-                item.result.fail(exc)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug: fail this store, keep serving
-                log.exception("store %r failed", item.request_id)
-                item.result.fail(exc)
+            if isinstance(item, _Store):
+                await self._settle(item.result, self._store(item), item.request_id)
+                del self._stores[item.request_id]
+                self.queued_tokens -= len(item.tokens)
+            elif isinstance(item, _Release):
+                await self._settle(item.result, self._release(item), item.request_id)
             else:
-                # Its reply is sent right here (see Pending): nothing read after the store
-                # finished is answered ahead of it.
-                item.result.resolve(result)
+                unpinned: Pending[None] = Pending()  # answered already: logs a bug, no more
+                await self._settle(unpinned, self._unpin(item.blocks, item.generation), "")
             self._queue.popleft()
-            self.queued_tokens -= len(item.tokens)
 
-    async def _store(self, item: _Queued) -> StoreResult:
+    async def _settle(
+        self, result: Pending[T], work: Coroutine[Any, Any, T], request_id: RequestId
+    ) -> None:
+        try:
+            value = await work
+        except CacheError as exc:
+            result.fail(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: fail this request, keep serving
+            log.exception("request %r failed", request_id)
+            result.fail(exc)
+        else:
+            # Its reply is sent right here (see Pending): nothing read after the work
+            # finished is answered ahead of it.
+            result.resolve(value)
+
+    async def _spend(self, units: int, generation: int | None = None) -> None:
+        """Charge ``units`` of work to this loop turn, first yielding to the loop if they
+        would exceed its budget. With ``generation`` (the cache's when the work began), raise
+        _Overtaken if a reset came while yielded."""
+        if self._spent and self._spent + units > TURN_UNITS:
+            await asyncio.sleep(0)
+            self._spent = 0
+            if generation is not None and generation != self._cache.generation:
+                raise _Overtaken
+        self._spent += units
+
+    async def _store(self, item: _Store) -> StoreResult:
+        await self._spend(REQUEST_UNITS)
         if isinstance(item.tokens, IntArray):
             item.tokens = await decode_tokens_in_slices(item.tokens)
+        digests = await self._hash(item)
+        while True:
+            try:
+                return await self._store_on(item, digests, self._cache.generation)
+            except _Overtaken:
+                continue  # a reset emptied the cache: start again on the new state
+
+    async def _hash(self, item: _Store) -> list[bytes]:
         cache = self._cache
-        size = cache.block_size
+        size, algorithm = cache.block_size, cache.hash_algorithm
         digests: list[bytes] = []
-        algorithm = cache.hash_algorithm
         link = root_key(item.lora_id, item.cache_salt, algorithm)
-        for start in range(0, len(item.tokens) // size, SLICE_BLOCKS):
-            part = chain_digests(
-                item.tokens[start * size : (start + SLICE_BLOCKS) * size], size, link, algorithm
-            )
+        tokens = _decoded(item)
+        for start in range(0, len(tokens) // size, SLICE_BLOCKS):
+            part_tokens = tokens[start * size : (start + SLICE_BLOCKS) * size]
+            await self._spend(len(part_tokens) // size)
+            part = chain_digests(part_tokens, size, link, algorithm)
             digests += part
             link = part[-1]
-            await asyncio.sleep(0)
+        return digests
+
+    async def _store_on(self, item: _Store, digests: list[bytes], generation: int) -> StoreResult:
+        """The store on the cache of ``generation``; _Overtaken once a reset cleared it."""
+        cache = self._cache
+        plan = cache.begin_store(
+            item.request_id,
+            _decoded(item),
+            digests,
+            item.lora_id,
+            item.lora_name,
+            item.cache_salt,
+            in_slices=True,
+        )
         while True:
-            plan = cache.plan_store(
-                item.request_id, item.tokens, digests, item.lora_id, item.lora_name, item.cache_salt
-            )
-            while not cache.insert_some(plan, SLICE_BLOCKS):
-                await asyncio.sleep(0)
-                if plan.generation != cache.generation:
-                    break  # a reset emptied the cache: start again on the new state
-            else:
-                return cache.finish_store(plan)
+            await self._spend(min(SLICE_BLOCKS, len(digests) - plan.matched), generation)
+            if cache.match_some(plan, SLICE_BLOCKS):
+                break
+        cache.check_room(plan)
+        while plan.pinned < plan.matched:
+            count = min(SLICE_BLOCKS, plan.matched - plan.pinned)
+            await self._spend(count, generation)
+            cache.pin_some(plan, count)
+        while len(plan.blocks) < len(digests):
+            count = min(SLICE_BLOCKS, len(digests) - len(plan.blocks))
+            await self._spend(count, generation)
+            cache.insert_some(plan, count)
+            self._on_captured()
+        return cache.finish_store(plan)
+
+    async def _release(self, item: _Release) -> int:
+        await self._spend(REQUEST_UNITS)
+        lease = self._cache.end_lease(item.request_id)
+        await self._unpin(lease.blocks, self._cache.generation)
+        return lease.size
+
+    async def _unpin(self, blocks: list[int], generation: int) -> None:
+        """Unpin the blocks pinned in the cache of ``generation``, deepest first (so the
+        released chain is evicted tail-first); a reset unpinned them all."""
+        cache = self._cache
+        end = len(blocks)
+        try:
+            while end and generation == cache.generation:
+                start = max(0, end - SLICE_BLOCKS)
+                await self._spend(end - start, generation)
+                cache.unpin(blocks[start:end])
+                end = start
+        except _Overtaken:
+            pass
+
+
+def _decoded(item: _Store) -> np.ndarray:
+    """The store's tokens, decoded by ``_store`` before anything reads them."""
+    assert isinstance(item.tokens, np.ndarray)
+    return item.tokens

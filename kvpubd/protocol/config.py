@@ -102,6 +102,10 @@ class ControlConfig(_Section):
     # Full blocks one store may cover: a large store runs in slices across loop turns, so
     # this bounds its total work and memory, not how long it holds the loop.
     max_blocks_per_store: int = Field(65_536, ge=1)
+    # Requests open on one rank (stored, or queued to be, and not released): each holds a
+    # lease (~200 bytes) even with no block, so a client cannot grow the daemon's memory
+    # without bound by storing empty prompts and never releasing them.
+    max_open_requests: int = Field(65_536, ge=1)
     # CURVE authentication: the daemon's secret certificate and a directory of the public
     # certificates of the clients it admits (both, or neither for no authentication).
     curve_secret_key: str = ""
