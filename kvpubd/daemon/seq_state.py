@@ -44,7 +44,12 @@ def default_state_dir() -> Path:
     systemd = os.environ.get("STATE_DIRECTORY")
     if systemd:
         return Path(systemd.split(":")[0])
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    base = os.environ.get("XDG_STATE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".local" / "state")
+        except RuntimeError:  # no $HOME and no passwd entry (a container's bare uid)
+            raise OSError("no home directory to keep it in") from None
     return Path(base) / "kvpubd"
 
 
@@ -135,8 +140,10 @@ def open_seq_state(directory: str, rank: int, events_endpoint: str) -> SeqState 
     """The rank's state file, its problems logged; None where no file can be kept (a
     read-only or full disk, a directory this user may not write): the run then starts at 0,
     as a first run does. SeqStateInUse propagates: two daemons must not share one stream."""
-    path = state_path(Path(directory) if directory else default_state_dir(), rank, events_endpoint)
+    path: Path | str = directory or "(default directory)"
     try:
+        base = Path(directory) if directory else default_state_dir()
+        path = state_path(base, rank, events_endpoint)
         state = SeqState.open(path)
     except OSError as exc:
         log.warning(
