@@ -137,6 +137,44 @@ def test_continue_origin_carries_the_seqs_across_restarts(
     assert marker.seq == last + 1
 
 
+def raw_replay(daemon: Daemon, start: int) -> list[tuple[int, list[object]]]:
+    """(seq, events) of every batch a plain DEALER's replay from ``start`` returns."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rank_endpoint(daemon.replay_endpoint, 0))
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    got = []
+    try:
+        while dealer.poll(10_000):
+            _, _, seq, payload = dealer.recv_multipart()
+            if not payload:
+                return got
+            got.append((unpack_seq(seq), msgpack.unpackb(payload)[1]))
+    finally:
+        dealer.close()
+    raise AssertionError("no end marker")
+
+
+def test_a_continued_run_replays_the_empty_batches_below_its_first_seq(
+    start_daemon: DaemonFactory,
+) -> None:
+    """buffer_steps 4: after a restart, a replay from 0 (history of no run the ring holds)
+    gets what the ring holds, the empty batches the new run keeps below its first seq (3 of
+    them: the ring's 4th slot holds its start-up marker), not a snapshot batch."""
+    daemon = start_daemon(events={"seq_origin": "continue", "buffer_steps": 4})
+    with daemon.client() as client:
+        for _ in range(6):
+            store_released(client, unique_prompt(1))
+            client.snapshot()  # each store its own batch
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    first = daemon.first_seq()
+    replayed = raw_replay(daemon, 0)
+    assert [seq for seq, _ in replayed] == list(range(first - 3, first + 1))
+    assert [events for _, events in replayed[:3]] == [[]] * 3
+    assert len(replayed[-1][1]) == 1  # the start-up marker: AllBlocksCleared alone
+
+
 def test_zero_origin_starts_each_run_at_zero(start_daemon: DaemonFactory) -> None:
     daemon = start_daemon(events={"seq_origin": "zero"})
     assert daemon.first_seq() == 0
