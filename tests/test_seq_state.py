@@ -7,12 +7,14 @@ it was."""
 from __future__ import annotations
 
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
-from kvpubd.daemon.seq_state import FILE_SIZE, state_path
+from kvpubd.daemon.seq_state import FILE_SIZE, MAGIC, state_path
 from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.wire import MAX_SEQ
 from kvpubd.tools.launcher import free_tcp_ports
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, write_config
@@ -44,6 +46,17 @@ def test_a_corrupt_file_starts_a_first_run(start_daemon: DaemonFactory) -> None:
     daemon.stop(signal.SIGKILL)
     daemon.start()
     assert daemon.first_seq() == last + 1
+
+
+def test_the_end_of_the_seq_space_starts_again_at_zero(start_daemon: DaemonFactory) -> None:
+    """A last seq of 2^64 - 2 (ff x 8 is the replay end marker, never a seq): the next run
+    starts at 0, not past the 8-byte frame."""
+    daemon = start_daemon()
+    daemon.stop(signal.SIGKILL)
+    last = MAX_SEQ
+    state_file(daemon).write_bytes(MAGIC + struct.pack(">QQ", last, last ^ ((1 << 64) - 1)))
+    daemon.start()
+    assert daemon.first_seq() == 0
 
 
 def test_a_lost_file_starts_a_first_run(start_daemon: DaemonFactory) -> None:
