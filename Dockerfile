@@ -17,14 +17,15 @@ ARG GPU=""
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    KVPUBD_CONTROL__ENDPOINT=ipc:///run/kvpubd/control.sock
+    KVPUBD_CONTROL__ENDPOINT=ipc:///run/kvpubd/control.sock \
+    KVPUBD_EVENTS__SEQ_STATE_DIR=/var/lib/kvpubd
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/kvpubd-*.whl \
     && rm -rf /wheels \
     && groupadd --system --gid 10001 kvpubd \
     && useradd --system --uid 10001 --gid kvpubd --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin kvpubd \
-    && install -d -o kvpubd -g kvpubd -m 0700 /run/kvpubd
+    && install -d -o kvpubd -g kvpubd -m 0700 /run/kvpubd /var/lib/kvpubd
 # GPU: CuPy (the "gpu" extra) plus the CUDA runtime and NVRTC from PyPI; the host's driver
 # is mounted by the NVIDIA container toolkit.
 RUN if [ -n "$GPU" ]; then \
@@ -32,6 +33,8 @@ RUN if [ -n "$GPU" ]; then \
     fi
 COPY config/kvpubd.toml /etc/kvpubd/kvpubd.toml
 USER 10001:10001
+# The seq state files: a volume, so that a new container continues the last one's seqs.
+VOLUME /var/lib/kvpubd
 # PUB and replay ports of rank 0 (rank r uses port + r).
 EXPOSE 5557 5657
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -11,6 +12,19 @@ from zmq.utils.garbage import gc as zmq_garbage
 from tests.daemon import Daemon
 
 DaemonFactory = Callable[..., Daemon]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Daemons that tests start with a config of their own keep their seq state files in the
+    default directory: a private one, not the user's (daemon subprocesses inherit it)."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        del os.environ["XDG_STATE_HOME"]
+    else:
+        os.environ["XDG_STATE_HOME"] = before
 
 
 @pytest.fixture

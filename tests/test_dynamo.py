@@ -24,7 +24,8 @@ import pytest
 
 from kvpubd.protocol.config import rank_endpoint
 from kvpubd.tools.launcher import free_tcp_port_runs, free_tcp_ports
-from tests.daemon import Daemon
+from tests.daemon import Daemon, wait_for
+from tests.llmd import LlmdIndex, LlmdSubscriber, Timings, _hash
 from tests.mirrors import snapshot_blocks, store_released, unique_prompt
 
 pytestmark = [
@@ -237,26 +238,76 @@ def test_salt_and_lora_stay_apart(indexer: Indexer, tcp_daemon: Any) -> None:
     assert indexer.overlap(prompt, lora_name="a") == {2: 2 * BLOCK}
 
 
-@pytest.mark.parametrize("how", ["kill9", "sigterm"])
-def test_follows_a_restart(indexer: Indexer, tcp_daemon: Any, how: str) -> None:
+@pytest.mark.parametrize(
+    "how,outnumber",
+    [("kill9", False), ("sigterm", False), ("kill9", True)],
+    ids=["kill9", "sigterm", "kill9-outnumbered"],
+)
+def test_follows_a_restart(indexer: Indexer, tcp_daemon: Any, how: str, outnumber: bool) -> None:
     """Registered once: after kill -9 (or SIGTERM) and a new run on the same endpoints, the
-    indexer drops the old run's blocks on its own (the new run's seqs jump forward; the
-    heartbeat reveals the jump on an idle daemon) and follows the new run's stores."""
+    indexer drops the old run's blocks on its own (the new run's seqs continue the old run's:
+    its first batch, AllBlocksCleared, is the next seq; the heartbeat reveals it on an idle
+    daemon) and follows the new run's stores, also when the new run has published more
+    batches than the whole old run by then (``outnumber``)."""
     daemon = tcp_daemon()
     indexer.register(daemon)
     old = unique_prompt(3)
     with daemon.client() as client:
         store_released(client, old)
+        old_last = client.snapshot().seq
     wait_overlap(indexer, old, {0: 3 * BLOCK})
     daemon.stop(signal.SIGKILL if how == "kill9" else signal.SIGTERM)
     daemon.start()
-    exact(indexer, daemon)  # the old run's blocks are gone with nothing stored
+    if outnumber:
+        with daemon.client() as client:
+            while client.snapshot().seq <= 2 * old_last + 2:
+                store_released(client, unique_prompt(1))
+    exact(indexer, daemon)  # the old run's blocks are gone
     assert indexer.overlap(old) == {}
     new = unique_prompt(2)
     with daemon.client() as client:
         store_released(client, new)
     wait_overlap(indexer, new, {0: 2 * BLOCK})
     exact(indexer, daemon)
+
+
+def test_llmd_beside_it_after_a_kill9(indexer: Indexer, tcp_daemon: Any) -> None:
+    """One daemon with the default seq origin, followed by the indexer and by a consumer
+    that follows llm-d-router v0.10's rules (tests/llmd.py, its timings shrunk) at once: after
+    kill -9 and a new run that out-numbers the old one, both hold exactly the new run's
+    state."""
+    pod_topic = f"kv@pod-0@{MODEL}"
+    daemon = tcp_daemon(topic=pod_topic)
+    indexer.register(daemon)
+    llmd = LlmdSubscriber(
+        LlmdIndex(),
+        rank_endpoint(daemon.events_endpoint, 0),
+        rank_endpoint(daemon.replay_endpoint, 0),
+        pod_topic,
+        Timings(retry_interval=0.2, replay_idle_timeout=1.0),
+    )
+    llmd.start()
+    try:
+
+        def both_exact() -> bool:
+            with daemon.client() as client:
+                wanted = set(snapshot_blocks(client.snapshot(0)))
+            held = llmd.index.blocks("pod-0")
+            return indexer.blocks(0) == wanted and held == {_hash(h) for h in wanted}
+
+        with daemon.client() as client:
+            store_released(client, unique_prompt(3))
+            old_last = client.snapshot().seq
+        wait_for(both_exact, what="both consumers to hold the old run")
+        daemon.stop(signal.SIGKILL)
+        daemon.start()
+        with daemon.client() as client:
+            while client.snapshot().seq <= 2 * old_last + 2:
+                store_released(client, unique_prompt(1))
+        wait_for(both_exact, what=f"both consumers to hold the new run; llm-d: {llmd.log}")
+        assert "replay incomplete" not in " ".join(llmd.log)
+    finally:
+        llmd.close()
 
 
 def test_late_join_after_history_left_the_ring(indexer: Indexer, tcp_daemon: Any) -> None:

@@ -57,6 +57,8 @@ def test_unit_runs_the_daemon_as_a_notify_service(monkeypatch: pytest.MonkeyPatc
     assert unit["ExecStart"] == [f"{INSTALLED_PATH} serve --config /etc/kvpubd/kvpubd.toml"]
     assert unit["WatchdogSec"] and unit["Restart"] == ["on-failure"]
     assert unit["RuntimeDirectory"] == ["kvpubd"]
+    # The seq state outlives stops and reboots where ProtectSystem=strict lets it be written.
+    assert unit["StateDirectory"] == ["kvpubd"]
     # Room for thousands of connections; SIGHUP reloads (the daemon handles it).
     assert int(unit["LimitNOFILE"][0]) >= 65536
     assert unit["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
@@ -223,6 +225,9 @@ def test_image_config_matches_the_daemon() -> None:
     exposed = {int(a) for word, args in found if word == "EXPOSE" for a in args}
     defaults = Settings().events
     assert exposed == {tcp_port(defaults.endpoint), tcp_port(defaults.replay_endpoint)}
+    # The seq state directory is the volume (a new container continues the seqs).
+    volumes = [a.strip('[]"') for word, args in found if word == "VOLUME" for a in args]
+    assert volumes == [env["KVPUBD_EVENTS__SEQ_STATE_DIR"]]
     config = next(dest for sources, dest in copies() if sources == ["config/kvpubd.toml"])
     cmd = [a.strip('[],"') for a in next(args for word, args in found if word == "CMD")]
     assert cmd[cmd.index("--config") + 1] == config

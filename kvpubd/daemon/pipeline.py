@@ -18,8 +18,9 @@ from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import SCRUB_SLICE_BYTES, pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
-from kvpubd.daemon.publisher import Publisher, seq_origin
+from kvpubd.daemon.publisher import RESTART_OVERLAP, Publisher, seq_origin
 from kvpubd.daemon.reaper import Reaper
+from kvpubd.daemon.seq_state import SeqState, open_seq_state
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
@@ -50,24 +51,40 @@ class RankPipeline:
         self._metrics = metrics
         self._reaper = reaper
         self._flush_on_reset = events.flush_on_reset
+        endpoint = rank_endpoint(events.endpoint, rank)
+        self._seq_state: SeqState | None = None
+        last_seq: int | None = None
+        if events.seq_origin == "continue":
+            self._seq_state = open_seq_state(events.seq_state_dir, rank, endpoint)
+            if self._seq_state is not None:
+                last_seq = self._seq_state.loaded.last_seq
+        first_seq = seq_origin(events.seq_origin, last_seq)
         # Sockets first: a failed bind leaves nothing but sockets, which the context closes.
-        self.publisher = Publisher(
-            context,
-            endpoint=rank_endpoint(events.endpoint, rank),
-            replay_endpoint=rank_endpoint(events.replay_endpoint, rank)
-            if events.replay_endpoint
-            else "",
-            topic=events.topic,
-            wire_format=events.wire_format,
-            rank=rank,
-            buffer_steps=events.buffer_steps,
-            max_replays=events.max_replays,
-            hwm=events.hwm,
-            replay_framing=events.replay_framing,
-            linger_ms=settings.service.linger_ms,
-            first_seq=seq_origin(events.seq_origin),
-            heartbeat_ms=events.heartbeat_ms,
-        )
+        try:
+            self.publisher = Publisher(
+                context,
+                endpoint=endpoint,
+                replay_endpoint=rank_endpoint(events.replay_endpoint, rank)
+                if events.replay_endpoint
+                else "",
+                topic=events.topic,
+                wire_format=events.wire_format,
+                rank=rank,
+                buffer_steps=events.buffer_steps,
+                max_replays=events.max_replays,
+                hwm=events.hwm,
+                replay_framing=events.replay_framing,
+                linger_ms=settings.service.linger_ms,
+                first_seq=first_seq,
+                heartbeat_ms=events.heartbeat_ms,
+                # Only where this run continues another's seqs (nothing lies below a first run).
+                overlap=RESTART_OVERLAP if last_seq is not None and first_seq else 0,
+                record_seq=self._seq_state.record if self._seq_state is not None else None,
+            )
+        except BaseException:
+            if self._seq_state is not None:
+                self._seq_state.close()
+            raise
         self.sink = EventSink(
             block_size=settings.cache.block_size,
             medium=settings.medium,
@@ -85,6 +102,8 @@ class RankPipeline:
             # Never handed to the service, so never closed by it: its ipc socket files
             # would outlive a failed start and look like a running daemon to clients.
             self.publisher.close()
+            if self._seq_state is not None:
+                self._seq_state.close()
             raise
         self.resets = 0
         self._stores = StoreQueue(
@@ -302,4 +321,6 @@ class RankPipeline:
         if self._snapshot is not None:
             self._snapshot.cancel()
         self.publisher.close()
+        if self._seq_state is not None:
+            self._seq_state.close()
         self.cache.pool.close()

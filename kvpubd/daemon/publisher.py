@@ -4,7 +4,8 @@ Usable as a library: ``Publisher(...).publish(events)`` encodes, numbers and sen
 and returns its seq; ``handle_replay()`` answers whatever replay requests are waiting.
 
 Seqs start at ``first_seq`` (see ``seq_origin``) and grow by one per batch. ``heartbeat()``
-publishes an empty batch when nothing went out for ``heartbeat_ms``.
+publishes an empty batch when nothing went out for ``heartbeat_ms``. ``record_seq`` is told each
+seq before its batch goes out (the seq state file of ``seq_origin = "continue"``).
 """
 
 from __future__ import annotations
@@ -48,19 +49,28 @@ REPLAY_SLICE_S = 0.0005  # replay work per loop turn
 # Batches the ring may keep beyond buffer_steps for the replays in progress (buffer_steps if
 # larger): what goes out while a snapshot batch of lost history is put together.
 REPLAY_EXTRA_BATCHES = 4096
+# Empty batches a run that continues an earlier run's seqs keeps for replay just below its
+# first seq: a consumer that lost the old run's last batches in flight (a kill -9 drops what
+# ZeroMQ still queued) replays from its own last seq + 1 and must find exactly that seq.
+# Empty is right: the run's first batch, AllBlocksCleared, follows them.
+RESTART_OVERLAP = 1024
 _MORE = int(zmq.SNDMORE)  # a plain int: combining pyzmq's flag enums costs per frame
 
 
-def seq_origin(mode: str) -> int:
-    """The first seq of a run. "clock": the wall clock in microseconds, so every run's seqs lie
-    above the last run's (a run would have to average a million batches a second to overtake
-    the clock) and a restart looks like a forward jump to consumers that keep the last seq they
-    applied. "zero": every run starts again at 0."""
+def seq_origin(mode: str, last_seq: int | None = None) -> int:
+    """The first seq of a run. "continue": the previous run's ``last_seq`` + 1 (0 for a first
+    run, and after the last seq there is), so every consumer applies the new run's first batch
+    in order. "clock": the wall clock in microseconds, so every run's seqs lie above the last
+    run's (a run would have to average a million batches a second to overtake the clock) and a
+    restart looks like a forward jump to consumers that keep the last seq they applied. "zero":
+    every run starts again at 0."""
+    if mode == "continue":
+        return 0 if last_seq is None or last_seq >= MAX_SEQ else last_seq + 1
     if mode == "zero":
         return 0
     if mode == "clock":
         return time.time_ns() // 1000
-    raise ValueError(f"seq origin {mode!r}: use 'clock' or 'zero'")
+    raise ValueError(f"seq origin {mode!r}: use 'continue', 'clock' or 'zero'")
 
 
 SnapshotBatch = tuple[int, Buffer]  # (seq, payload) of a replay batch holding the whole state
@@ -99,6 +109,8 @@ class Publisher:
         max_replays: int = 64,
         first_seq: int = 0,
         heartbeat_ms: int = 0,
+        overlap: int = 0,
+        record_seq: Callable[[int], None] | None = None,
     ) -> None:
         if not 0 <= first_seq <= MAX_SEQ:
             raise ValueError(f"first_seq: {first_seq} is not a seq (0..{MAX_SEQ})")
@@ -115,6 +127,12 @@ class Publisher:
         # max_retained while a replay still needs the older ones (see _trim).
         self._ring: deque[tuple[bytes, bytes]] = deque()
         self.buffer_steps = buffer_steps
+        self._record_seq = record_seq
+        # ``overlap`` empty batches below first_seq, for replay only (see RESTART_OVERLAP).
+        overlap = min(overlap, first_seq, buffer_steps)
+        if overlap:
+            empty = self._encoder.encode(time.time(), [])
+            self._ring.extend((pack_seq(s), empty) for s in range(first_seq - overlap, first_seq))
         self.max_retained = buffer_steps + max(buffer_steps, REPLAY_EXTRA_BATCHES)
         self.batches = 0
         self.events = 0
@@ -176,6 +194,9 @@ class Publisher:
         self._next_seq = seq + 1
         payload = self._encoder.encode(time.time() if ts is None else ts, events)
         seq_frame = pack_seq(seq)
+        record = self._record_seq
+        if record is not None:  # before the send: a seq that may be out is never reused
+            record(seq)
         ring = self._ring
         ring.append((seq_frame, payload))
         if len(ring) > self.buffer_steps:
@@ -283,7 +304,8 @@ class Publisher:
         """Park a replay whose start the ring no longer holds until a snapshot batch of the
         current state is ready; False when the ring has what it asks for."""
         first = self._next_seq - len(self._ring)
-        if replay.next_seq >= first or first == self.first_seq or self.lost_history is None:
+        # (The ring starts at or below first_seq while it holds all of this run.)
+        if replay.next_seq >= first or first <= self.first_seq or self.lost_history is None:
             return False
         replay.snapshot = self._snapshot_batch(self.lost_history().result)
         replay.parked_at = self._next_seq

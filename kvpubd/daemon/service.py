@@ -46,6 +46,7 @@ from kvpubd.daemon.pool import (
     stale_segment_bytes,
 )
 from kvpubd.daemon.reaper import Reaper
+from kvpubd.daemon.seq_state import SeqStateInUse
 from kvpubd.daemon.zmq_loop import new_context
 from kvpubd.protocol.auth import AuthError, CurveServer
 from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir, rank_endpoint
@@ -200,8 +201,8 @@ class Service:
         )
         self.control.bind()
         for rank in self.settings.cache.ranks:
-            self.pipelines.append(
-                RankPipeline(
+            try:
+                pipeline = RankPipeline(
                     rank,
                     self.settings,
                     self._context,
@@ -209,7 +210,9 @@ class Service:
                     self._reaper,
                     drain_paused=lambda: self.operations.paused,
                 )
-            )
+            except SeqStateInUse as exc:
+                raise StartupError(str(exc)) from None
+            self.pipelines.append(pipeline)
         for pipeline in self.pipelines:
             pipeline.start()
             publisher = pipeline.publisher

@@ -77,9 +77,13 @@ class EventsConfig(_Section):
     # A replay from before the oldest retained batch starts with one batch holding
     # AllBlocksCleared and the whole cache; off: it gets only what the ring holds.
     replay_snapshot: bool = True
-    # First seq of each run: "clock" (wall clock in microseconds: a restart is a forward jump,
-    # which consumers that keep the last seq they applied follow) or "zero" (every run at 0).
-    seq_origin: Literal["clock", "zero"] = "clock"
+    # First seq of each run: "continue" (the last run's last seq + 1, kept in a file per rank
+    # in seq_state_dir; 0 for a first run), "clock" (wall clock in microseconds: a restart is
+    # a forward jump) or "zero" (every run at 0).
+    seq_origin: Literal["continue", "clock", "zero"] = "continue"
+    # Where "continue" keeps its files; "": $STATE_DIRECTORY (systemd), else
+    # $XDG_STATE_HOME/kvpubd, else ~/.local/state/kvpubd.
+    seq_state_dir: str = ""
     # An idle rank publishes an empty batch after this long without one (0: never), so a
     # consumer that missed a batch or joined an idle daemon finds out within one interval.
     heartbeat_ms: int = Field(2000, ge=0, le=3_600_000)

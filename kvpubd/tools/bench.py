@@ -805,10 +805,13 @@ def _publisher_batches(count: int, events_per_batch: int, seed: int = 0) -> list
 
 def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[str, Any]:
     """``Publisher.publish(events)`` against the floor: msgpack-encoding the same events
-    (pre-converted to their wire form) and sending them on a bare PUB."""
+    (pre-converted to their wire form) and sending them on a bare PUB. The publisher keeps
+    each seq in a state file, as the daemon does under the default ``seq_origin``."""
     import tempfile
+    from pathlib import Path
 
     from kvpubd.daemon.publisher import Publisher
+    from kvpubd.daemon.seq_state import SeqState
     from kvpubd.protocol.wire import event_to_wire, pack_seq
 
     data = _publisher_batches(batches, events_per_batch)
@@ -816,7 +819,14 @@ def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[
     total = batches * events_per_batch
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="kvpb") as tmp:
-        publisher = Publisher(ctx, endpoint=f"ipc://{tmp}/ours", hwm=0, buffer_steps=batches)
+        seq_state = SeqState.open(Path(tmp) / "rank0.seq")
+        publisher = Publisher(
+            ctx,
+            endpoint=f"ipc://{tmp}/ours",
+            hwm=0,
+            buffer_steps=batches,
+            record_seq=seq_state.record,
+        )
         floor_pub = ctx.socket(zmq.PUB)
         floor_pub.setsockopt(zmq.SNDHWM, 0)
         floor_pub.bind(f"ipc://{tmp}/floor")
@@ -854,6 +864,7 @@ def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[
             floor.append(total / (time.perf_counter() - start))
         drain()
         publisher.close()
+        seq_state.close()
         floor_pub.close(linger=0)
         for sub in subs:
             sub.close(linger=0)

@@ -120,6 +120,8 @@ class DaemonProcess:
         }
         for section, values in (overrides or {}).items():
             sections.setdefault(section, {}).update(values)
+        # Seq state beside the sockets: private to this daemon, and kept across its restarts.
+        sections["events"].setdefault("seq_state_dir", str(self.dir))
         # Endpoints the caller chose stay; the others are picked (and re-picked on a clash).
         self._chosen = {
             (section, key)
