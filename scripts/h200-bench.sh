@@ -3,7 +3,7 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
 # The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
 # .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
 set -uo pipefail
@@ -17,7 +17,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
 K="python3 -m kvpubd"
 case "${1:-}" in
   gpu-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pool_sharing.py \
-                 tests/test_reset_contract.py -m "not slow" 2>&1 | tail -5 ;;
+                 tests/test_reset_contract.py tests/test_sliced_pool_work.py -m "not slow" 2>&1 | tail -5 ;;
+  # soak [SECONDS]: every load at once, resets timed, mirrors checked
+  soak) $K bench soak --duration "${2:-60}" --json > "$OUT/soak.json" ;;
   reset) $K bench reset --sizes 0,10000,100000,1000000 --resets 200 --json > "$OUT/reset-cpu.json"
          $K bench reset --sizes 0,1000000 --resets 200 --device cuda:0 --json > "$OUT/reset-cuda.json" ;;
   under) $K bench reset --under "$2" --sizes 1000000 --resets "${3:-100}" --json > "$OUT/under-$2.json" ;;
@@ -37,6 +39,6 @@ case "${1:-}" in
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
                      --hash-algorithm "${2:-sha256}" --json > "$OUT/ranks-apart-$r-${2:-sha256}.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
      exit 2 ;;
 esac
