@@ -3,11 +3,13 @@
 Each command imports what it runs, inside the command: ``kvpubd serve`` loads the daemon and
 never the client library, rich or the tools; ``kvpubd bench`` loads its sub-commands only when
 it is the command given. Every mistake ends in one line on stderr and the exit statuses of
-``kvpubd.exits`` (0 ok, 1 runtime failure, 2 usage or config, 130 interrupted)."""
+``kvpubd.exits`` (0 ok, 1 runtime failure, 2 usage or config, 130 interrupted, 143
+terminated)."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -19,8 +21,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvpubd import __version__
-from kvpubd.exits import INTERRUPTED, OK, USAGE, check_positive, fail
+from kvpubd import __version__, interrupts
+from kvpubd.exits import FAILURE, INTERRUPTED, OK, TERMINATED, USAGE, check_positive, fail
 from kvpubd.protocol.endpoints import (
     CONTROL_ENDPOINT_ENV,
     CURVE_KEY_ENV,
@@ -41,6 +43,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: flags without a <bool>, long names wrapped, not cut
 )
 
 
@@ -579,10 +582,29 @@ def _usage_error_type() -> type[Exception]:
     return ClickException
 
 
-def main() -> None:
-    """Run the command line; exits with the status of ``kvpubd.exits``."""
-    argv = sys.argv[1:]
-    _add_bench(argv)
+def _reader_gone() -> bool:
+    """stdout is a pipe whose reader has closed it (`kvpubd ... | head -1`)."""
+    import select
+
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _os_error_line(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):  # e.g. `> /dev/full`
+        return f"cannot write: {exc.strerror}"
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _run(argv: list[str]) -> int:
     usage_error = _usage_error_type()
     try:
         code = app(args=argv, prog_name="kvpubd", standalone_mode=False)
@@ -593,8 +615,34 @@ def main() -> None:
         if message:  # (none when the help was shown for a bare command)
             typer.echo(f"{where}: {message} (see --help)", err=True)
         code = getattr(exc, "exit_code", USAGE)
+    sys.stdout.flush()  # a failure to write the output belongs to this command
+    return code if isinstance(code, int) else OK
+
+
+def main() -> None:
+    """Run the command line; exits with the status of ``kvpubd.exits``."""
+    argv = sys.argv[1:]
+    if argv[:1] != ["serve"]:  # the daemon takes SIGTERM as its normal stop
+        interrupts.terminate_like_interrupt()
+    _add_bench(argv)
+    try:
+        code = _run(argv)
     except KeyboardInterrupt:
         code = INTERRUPTED
+    except SystemExit:
+        # typer ends a write into a closed pipe with SystemExit(1)
+        if not _reader_gone():
+            raise
+        code = OK
+        _silence_stdout()
+    except OSError as exc:
+        if _reader_gone():  # like `subscribe | head`: the reader has what it wanted
+            code = OK
+        else:  # e.g. a full disk under `kvpubd subscribe > events.log`
+            typer.echo(f"kvpubd: {_os_error_line(exc)}", err=True)
+            code = FAILURE
+        _silence_stdout()
     if code == INTERRUPTED:
-        typer.echo("kvpubd: interrupted", err=True)
-    sys.exit(code if isinstance(code, int) else OK)
+        code = interrupts.exit_status()
+        typer.echo("kvpubd: " + ("terminated" if code == TERMINATED else "interrupted"), err=True)
+    sys.exit(code)

@@ -7,6 +7,7 @@ import json
 import os
 import time
 import zipfile
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgpack
@@ -18,11 +19,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvpubd.exits import USAGE, check_positive, fail, warn
+from kvpubd.interrupts import ctrl_c_kept_from_children
 from kvpubd.protocol.hashing import HashAlgorithm
 from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
-    help="Measure a real daemon (started here, on loopback).", no_args_is_help=True
+    help="Measure a real daemon (started here, on loopback).",
+    no_args_is_help=True,
+    rich_markup_mode=None,  # plain help: flags without a <bool>, long names wrapped, not cut
 )
 err = Console(stderr=True)
 
@@ -203,7 +207,8 @@ class BareMarkerServer:
         return ControlClient(self.control_endpoint, timeout=timeout)
 
     def __enter__(self) -> BareMarkerServer:
-        self._process.start()
+        with ctrl_c_kept_from_children():  # Ctrl-C is this process's to handle: it stops the server
+            self._process.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -1103,8 +1108,9 @@ def measure_throughput(
                 counter = spawn.Process(
                     target=_count_stored, args=(endpoint, sub_side, results_out), daemon=True
                 )
-                counter.start()
-                stack.callback(_join_counter, counter)
+                with ctrl_c_kept_from_children():  # Ctrl-C is ours to handle: we stop the counters
+                    counter.start()
+                stack.push(_counter_stopper(counter))
                 pipes.append((probe, control_side))
                 results.append(results_in)
                 route.append(probe)
@@ -1164,10 +1170,17 @@ def measure_throughput(
     }
 
 
-def _join_counter(counter: Any) -> None:
-    counter.join(10)
-    if counter.is_alive():
-        counter.terminate()
+def _counter_stopper(counter: Any) -> Callable[..., None]:
+    """An exit callback: after a complete run the counter reports and ends by itself; after
+    a failure or Ctrl-C it waits for a stop seq that never comes, so it is stopped at once."""
+
+    def stop(exc_type: type[BaseException] | None, *_: object) -> None:
+        counter.join(10 if exc_type is None else 0)
+        if counter.is_alive():
+            counter.terminate()
+            counter.join()
+
+    return stop
 
 
 @bench_app.command("throughput")
