@@ -67,6 +67,15 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _sigint_in(pid: int, mask: str) -> bool:
+    """SIGINT is in the process's ``mask`` of /proc/PID/status (SigIgn: ignored, SigCgt:
+    caught by a handler)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{mask}:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
 def _find_daemon(tool: subprocess.Popen[str]) -> ChildDaemon | None:
     for pid in _children(tool.pid):
         args = _cmdline(pid)
@@ -141,6 +150,8 @@ def test_bench_throughput_ctrl_c_stops_its_processes(tools: list[subprocess.Pope
     bench = _start(tools, "bench", "throughput", "--num-blocks", "4096")
     child = wait_for(lambda: _find_daemon(bench), timeout=60, what="the bench's daemon")
     (helper,) = wait_for(lambda: _spawned_helpers(bench), timeout=60, what="its subscriber")
+    # Python in it is up (it has its own SIGINT handler): a KeyboardInterrupt there would show.
+    wait_for(lambda: _sigint_in(helper, "SigCgt"), timeout=60, what="the subscriber to start")
     os.kill(child.pid, signal.SIGSTOP)
     try:
         os.killpg(bench.pid, signal.SIGINT)
@@ -165,13 +176,6 @@ def test_a_killed_tool_takes_its_daemon_along(tools: list[subprocess.Popen[str]]
         if not child.gone():
             os.kill(child.pid, signal.SIGKILL)
         subprocess.run(["rm", "-rf", str(child.directory)], check=True)
-
-
-def _ignores_sigint(pid: int) -> bool:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigIgn:"):
-            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
-    return False
 
 
 def _requests_open(daemon: Daemon) -> int:
@@ -208,7 +212,7 @@ def test_loadgen_ignores_a_second_ctrl_c_while_releasing(
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
         load.send_signal(signal.SIGINT)
-        wait_for(lambda: _ignores_sigint(load.pid), timeout=30, what="loadgen to release")
+        wait_for(lambda: _sigint_in(load.pid, "SigIgn"), timeout=30, what="loadgen to release")
         load.send_signal(signal.SIGINT)
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
