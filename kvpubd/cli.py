@@ -27,6 +27,7 @@ from kvpubd.protocol.endpoints import (
     CONTROL_ENDPOINT_ENV,
     CURVE_KEY_ENV,
     SERVER_KEY_ENV,
+    base_endpoint,
     check_endpoint,
     default_control_endpoint,
     missing_ipc_socket,
@@ -229,6 +230,8 @@ def keys(
 
     if not name or "/" in name:
         raise fail(f"--name: {name!r} is not a file name", USAGE)
+    if directory.exists() and not directory.is_dir():  # (mkdir would call it "exists")
+        raise fail(f"{directory} is not a directory", USAGE)
     try:
         public, secret = create_keys(directory, name, force=force)
     except FileExistsError as exc:
@@ -343,10 +346,19 @@ def _event_line(received: Received, event: Event, as_json: bool) -> str:
 @app.command()
 def subscribe(
     endpoint: Annotated[
-        str, typer.Option("--endpoint", "-e", help="The daemon's events endpoint (rank 0's port).")
+        str,
+        typer.Option(
+            "--endpoint",
+            "-e",
+            help="The daemon's events endpoint: rank 0's, or (ipc) the base or any rank's, as "
+            "ping prints it.",
+        ),
     ] = "tcp://127.0.0.1:5557",
     replay_endpoint: Annotated[
-        str, typer.Option("--replay", help="Replay endpoint (rank 0's port); '' turns repair off.")
+        str,
+        typer.Option(
+            "--replay", help="Replay endpoint, given as --endpoint is; '' turns repair off."
+        ),
     ] = "tcp://127.0.0.1:5657",
     ranks: Annotated[int, typer.Option(help="How many data-parallel ranks to follow.")] = 1,
     rank: Annotated[
@@ -378,9 +390,10 @@ def subscribe(
 
     Gaps are repaired through replay (or the snapshot, with --control) and reported on stderr
     with resyncs, restarts and losses. Started before the daemon, it waits for it."""
-    _endpoint("--endpoint", endpoint)
+    # Either the configured base or a rank's own endpoint as `ping` prints it.
+    endpoint = base_endpoint(_endpoint("--endpoint", endpoint))
     if replay_endpoint:
-        _endpoint("--replay", replay_endpoint)
+        replay_endpoint = base_endpoint(_endpoint("--replay", replay_endpoint))
     if not 1 <= ranks <= MAX_RANKS:
         raise fail(f"--ranks: {ranks} is not between 1 and {MAX_RANKS}", USAGE)
     if rank is not None and not 0 <= rank < MAX_RANKS:
@@ -582,12 +595,27 @@ def _usage_error_type() -> type[Exception]:
     return ClickException
 
 
-def _reader_gone() -> bool:
-    """stdout is a pipe whose reader has closed it (`kvpubd ... | head -1`)."""
+def _identity(file: int | str) -> tuple[int, int] | None:
+    """(device, inode) of an open fd or a path; None when there is none (stdout closed)."""
+    try:
+        stat = os.fstat(file) if isinstance(file, int) else os.stat(file)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _reader_gone(stdout_at_start: tuple[int, int] | None) -> bool:
+    """stdout is a pipe whose reader has closed it (`kvpubd ... | head -1`), or a library
+    that saw that has pointed stdout at /dev/null already (rich does, then exits 1)."""
     import select
 
+    now = _identity(1)
+    if now is None:
+        return False
+    if now != stdout_at_start and now == _identity(os.devnull):
+        return True
     poller = select.poll()
-    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    poller.register(1, select.POLLOUT)
     return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
@@ -625,18 +653,19 @@ def main() -> None:
     if argv[:1] != ["serve"]:  # the daemon takes SIGTERM as its normal stop
         interrupts.terminate_like_interrupt()
     _add_bench(argv)
+    stdout_at_start = _identity(1)
     try:
         code = _run(argv)
     except KeyboardInterrupt:
         code = INTERRUPTED
     except SystemExit:
-        # typer ends a write into a closed pipe with SystemExit(1)
-        if not _reader_gone():
+        # typer and rich end a write into a closed pipe with SystemExit(1)
+        if not _reader_gone(stdout_at_start):
             raise
         code = OK
         _silence_stdout()
     except OSError as exc:
-        if _reader_gone():  # like `subscribe | head`: the reader has what it wanted
+        if _reader_gone(stdout_at_start):  # like `subscribe | head`: the reader has what it wanted
             code = OK
         else:  # e.g. a full disk under `kvpubd subscribe > events.log`
             typer.echo(f"kvpubd: {_os_error_line(exc)}", err=True)
