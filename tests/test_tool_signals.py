@@ -121,7 +121,7 @@ def _assert_ended_cleanly(
 ) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
-    assert err.strip().splitlines() == [line], err
+    assert err.splitlines() == [line], err
     assert child.gone(), "the tool's daemon outlived it"
     assert not child.segment.exists(), f"{child.segment} left behind"
     assert not child.directory.exists(), f"{child.directory} left behind"
@@ -141,6 +141,14 @@ def test_demo_ctrl_c_while_its_daemon_starts(tools: list[subprocess.Popen[str]])
     child = wait_for(lambda: _find_daemon(demo), timeout=30, what="the demo's daemon")
     demo.send_signal(signal.SIGINT)
     _assert_ended_cleanly(demo, child, 130, "kvpubd: interrupted")
+
+
+def test_bench_reset_ends_on_sigterm_with_its_daemon(tools: list[subprocess.Popen[str]]) -> None:
+    bench = _start(tools, "bench", "reset", "--sizes", "1000", "--resets", "1000000")
+    child = wait_for(lambda: _find_daemon(bench), timeout=60, what="the bench's daemon")
+    wait_for(child.answers, timeout=30, what="the bench's daemon to answer")
+    bench.send_signal(signal.SIGTERM)
+    _assert_ended_cleanly(bench, child, 143, "kvpubd: terminated")
 
 
 def test_bench_throughput_ctrl_c_stops_its_processes(tools: list[subprocess.Popen[str]]) -> None:

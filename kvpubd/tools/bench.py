@@ -19,7 +19,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvpubd.exits import USAGE, check_positive, fail, warn
-from kvpubd.interrupts import ctrl_c_kept_from_children
+from kvpubd.interrupts import ctrl_c_kept_from_children, interrupts_ignored
 from kvpubd.protocol.hashing import HashAlgorithm
 from kvpubd.tools.launcher import DaemonProcess
 
@@ -437,8 +437,9 @@ def measure_under(
                 )
         results["load"] = load.results
     finally:
-        probe.close()
-        results["daemon"] = _stop_and_report(daemon)
+        with interrupts_ignored():  # a second Ctrl-C must not leave the daemon behind
+            probe.close()
+            results["daemon"] = _stop_and_report(daemon)
     return results
 
 
@@ -456,6 +457,9 @@ def _start_with_free_ports(
             daemon.cleanup()
             if attempt == 2:
                 raise
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: stop it, remove its files
+            daemon.__exit__()
+            raise
     raise AssertionError("unreachable")
 
 
@@ -538,7 +542,7 @@ def bench_reset(
             f"use --resets {MIN_RESETS} or more"
         )
     if under is not None:
-        with Progress(console=err, transient=True) as progress:
+        with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
             result = measure_under(
                 under,
                 size_list,
@@ -556,7 +560,7 @@ def bench_reset(
         else:
             Console().print(under_table(result))
         return
-    with Progress(console=err, transient=True) as progress:
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         immediate = measure_resets(size_list, resets, True, progress, device, idle_ms)
         baseline = measure_resets(size_list, resets, False, progress, device, idle_ms)
         floor = measure_floor(resets, idle_ms, progress)
