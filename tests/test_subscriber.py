@@ -699,12 +699,15 @@ def test_the_client_exports_what_a_batch_holds(daemon: Daemon) -> None:
     """A consumer needs no import beyond ``kvpubd.client`` to tell events apart."""
     import kvpubd.client as client
 
-    with daemon.client() as control:
-        store_released(control, unique_prompt(2))
-    with daemon.subscriber() as sub:
-        received = sub.catch_up()
-    batches = [r.batch for r in received]
+    batches: list[Any] = []
+
+    def events() -> list[Any]:
+        return [event for batch in batches for event in batch.events]
+
+    with daemon.subscriber(on_batch=lambda received: batches.append(received.batch)) as sub:
+        sub.catch_up()
+        with daemon.client() as control:
+            store_released(control, unique_prompt(2))
+        pump(sub, lambda: any(isinstance(e, client.BlockStored) for e in events()), what="a store")
     assert all(isinstance(batch, client.EventBatch) for batch in batches)
-    events = [event for batch in batches for event in batch.events]
-    assert isinstance(events[0], client.AllBlocksCleared)  # the start-up marker
-    assert any(isinstance(event, client.BlockStored) for event in events)
+    assert isinstance(events()[0], client.AllBlocksCleared)  # the start-up marker
