@@ -652,9 +652,9 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] != ["serve"]:  # the daemon takes SIGTERM as its normal stop
         interrupts.terminate_like_interrupt()
-    _add_bench(argv)
     stdout_at_start = _identity(1)
     try:
+        _add_bench(argv)  # (imports bench when it runs: Ctrl-C may come meanwhile)
         code = _run(argv)
     except KeyboardInterrupt:
         code = INTERRUPTED
