@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
+from typing import Any
 
 from kvpubd.exits import INTERRUPTED, TERMINATED
 
@@ -38,6 +39,12 @@ def exit_status() -> int:
     return TERMINATED if signal.SIGTERM in _received else INTERRUPTED
 
 
+def _restore(handlers: Mapping[int, Any]) -> None:
+    for signum, handler in handlers.items():
+        if handler is not None:  # None: set outside Python, cannot be put back from here
+            signal.signal(signum, handler)
+
+
 @contextmanager
 def ignoring(*signums: int) -> Iterator[None]:
     """``signums`` ignored inside. Signal handlers belong to the main thread; in any other
@@ -49,8 +56,7 @@ def ignoring(*signums: int) -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        _restore(previous)
 
 
 def interrupts_ignored() -> AbstractContextManager[None]:
@@ -73,12 +79,13 @@ def interrupts_deferred() -> Iterator[None]:
     def record(signum: int, frame: FrameType | None) -> None:
         arrived.append(signum)
 
-    previous = {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict[int, Any] = {
+        signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        _restore(previous)
         if arrived:
             signal.raise_signal(arrived[0])  # now handled as it would have been
 
@@ -93,6 +100,12 @@ def ctrl_c_kept_from_children() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    # multiprocessing starts its resource tracker with the first spawned child and unblocks
+    # SIGINT after it (its own guard): start it first, or the children after it would not
+    # inherit the block.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     with interrupts_deferred():
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:

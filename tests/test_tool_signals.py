@@ -69,7 +69,7 @@ def _cmdline(pid: int) -> list[str]:
 
 def _sigint_in(pid: int, mask: str) -> bool:
     """SIGINT is in the process's ``mask`` of /proc/PID/status (SigIgn: ignored, SigCgt:
-    caught by a handler)."""
+    caught by a handler, SigBlk: blocked)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{mask}:"):
             return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
@@ -160,6 +160,8 @@ def test_bench_throughput_ctrl_c_stops_its_processes(tools: list[subprocess.Pope
     (helper,) = wait_for(lambda: _spawned_helpers(bench), timeout=60, what="its subscriber")
     # Python in it is up (it has its own SIGINT handler): a KeyboardInterrupt there would show.
     wait_for(lambda: _sigint_in(helper, "SigCgt"), timeout=60, what="the subscriber to start")
+    # Whenever Ctrl-C comes (also while it starts), the helper leaves it to the bench.
+    assert _sigint_in(helper, "SigBlk")
     os.kill(child.pid, signal.SIGSTOP)
     try:
         os.killpg(bench.pid, signal.SIGINT)
