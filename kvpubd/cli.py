@@ -3,11 +3,13 @@
 Each command imports what it runs, inside the command: ``kvpubd serve`` loads the daemon and
 never the client library, rich or the tools; ``kvpubd bench`` loads its sub-commands only when
 it is the command given. Every mistake ends in one line on stderr and the exit statuses of
-``kvpubd.exits`` (0 ok, 1 runtime failure, 2 usage or config, 130 interrupted)."""
+``kvpubd.exits`` (0 ok, 1 runtime failure, 2 usage or config, 130 interrupted, 143
+terminated)."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -19,12 +21,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvpubd import __version__
-from kvpubd.exits import INTERRUPTED, OK, USAGE, check_positive, fail
+from kvpubd import __version__, interrupts
+from kvpubd.exits import FAILURE, INTERRUPTED, OK, TERMINATED, USAGE, check_positive, fail
 from kvpubd.protocol.endpoints import (
     CONTROL_ENDPOINT_ENV,
     CURVE_KEY_ENV,
     SERVER_KEY_ENV,
+    base_endpoint,
     check_endpoint,
     default_control_endpoint,
     missing_ipc_socket,
@@ -41,6 +44,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: flags without a <bool>, long names wrapped, not cut
 )
 
 
@@ -226,6 +230,8 @@ def keys(
 
     if not name or "/" in name:
         raise fail(f"--name: {name!r} is not a file name", USAGE)
+    if directory.exists() and not directory.is_dir():  # (mkdir would call it "exists")
+        raise fail(f"{directory} is not a directory", USAGE)
     try:
         public, secret = create_keys(directory, name, force=force)
     except FileExistsError as exc:
@@ -340,10 +346,19 @@ def _event_line(received: Received, event: Event, as_json: bool) -> str:
 @app.command()
 def subscribe(
     endpoint: Annotated[
-        str, typer.Option("--endpoint", "-e", help="The daemon's events endpoint (rank 0's port).")
+        str,
+        typer.Option(
+            "--endpoint",
+            "-e",
+            help="The daemon's events endpoint: rank 0's, or (ipc) the base or any rank's, as "
+            "ping prints it.",
+        ),
     ] = "tcp://127.0.0.1:5557",
     replay_endpoint: Annotated[
-        str, typer.Option("--replay", help="Replay endpoint (rank 0's port); '' turns repair off.")
+        str,
+        typer.Option(
+            "--replay", help="Replay endpoint, given as --endpoint is; '' turns repair off."
+        ),
     ] = "tcp://127.0.0.1:5657",
     ranks: Annotated[int, typer.Option(help="How many data-parallel ranks to follow.")] = 1,
     rank: Annotated[
@@ -375,9 +390,10 @@ def subscribe(
 
     Gaps are repaired through replay (or the snapshot, with --control) and reported on stderr
     with resyncs, restarts and losses. Started before the daemon, it waits for it."""
-    _endpoint("--endpoint", endpoint)
+    # Either the configured base or a rank's own endpoint as `ping` prints it.
+    endpoint = base_endpoint(_endpoint("--endpoint", endpoint))
     if replay_endpoint:
-        _endpoint("--replay", replay_endpoint)
+        replay_endpoint = base_endpoint(_endpoint("--replay", replay_endpoint))
     if not 1 <= ranks <= MAX_RANKS:
         raise fail(f"--ranks: {ranks} is not between 1 and {MAX_RANKS}", USAGE)
     if rank is not None and not 0 <= rank < MAX_RANKS:
@@ -579,10 +595,44 @@ def _usage_error_type() -> type[Exception]:
     return ClickException
 
 
-def main() -> None:
-    """Run the command line; exits with the status of ``kvpubd.exits``."""
-    argv = sys.argv[1:]
-    _add_bench(argv)
+def _identity(file: int | str) -> tuple[int, int] | None:
+    """(device, inode) of an open fd or a path; None when there is none (stdout closed)."""
+    try:
+        stat = os.fstat(file) if isinstance(file, int) else os.stat(file)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _reader_gone(stdout_at_start: tuple[int, int] | None) -> bool:
+    """stdout is a pipe whose reader has closed it (`kvpubd ... | head -1`), or a library
+    that saw that has pointed stdout at /dev/null already (rich does, then exits 1)."""
+    import select
+
+    now = _identity(1)
+    if now is None:
+        return False
+    if now != stdout_at_start and now == _identity(os.devnull):
+        return True
+    poller = select.poll()
+    poller.register(1, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _os_error_line(exc: OSError) -> str:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):  # e.g. `> /dev/full`
+        return f"cannot write: {exc.strerror}"
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _run(argv: list[str]) -> int:
     usage_error = _usage_error_type()
     try:
         code = app(args=argv, prog_name="kvpubd", standalone_mode=False)
@@ -593,8 +643,35 @@ def main() -> None:
         if message:  # (none when the help was shown for a bare command)
             typer.echo(f"{where}: {message} (see --help)", err=True)
         code = getattr(exc, "exit_code", USAGE)
+    sys.stdout.flush()  # a failure to write the output belongs to this command
+    return code if isinstance(code, int) else OK
+
+
+def main() -> None:
+    """Run the command line; exits with the status of ``kvpubd.exits``."""
+    argv = sys.argv[1:]
+    if argv[:1] != ["serve"]:  # the daemon takes SIGTERM as its normal stop
+        interrupts.terminate_like_interrupt()
+    stdout_at_start = _identity(1)
+    try:
+        _add_bench(argv)  # (imports bench when it runs: Ctrl-C may come meanwhile)
+        code = _run(argv)
     except KeyboardInterrupt:
         code = INTERRUPTED
+    except SystemExit:
+        # typer and rich end a write into a closed pipe with SystemExit(1)
+        if not _reader_gone(stdout_at_start):
+            raise
+        code = OK
+        _silence_stdout()
+    except OSError as exc:
+        if _reader_gone(stdout_at_start):  # like `subscribe | head`: the reader has what it wanted
+            code = OK
+        else:  # e.g. a full disk under `kvpubd subscribe > events.log`
+            typer.echo(f"kvpubd: {_os_error_line(exc)}", err=True)
+            code = FAILURE
+        _silence_stdout()
     if code == INTERRUPTED:
-        typer.echo("kvpubd: interrupted", err=True)
-    sys.exit(code if isinstance(code, int) else OK)
+        code = interrupts.exit_status()
+        typer.echo("kvpubd: " + ("terminated" if code == TERMINATED else "interrupted"), err=True)
+    sys.exit(code)

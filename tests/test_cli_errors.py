@@ -312,3 +312,130 @@ def test_help_shows_version_option_and_control_default() -> None:
     assert "--version" in main.stdout
     assert "control.sock" in ping.stdout  # where --control points by default
     assert " ." not in ping.stdout  # no markup eaten from the help texts
+
+
+def _run_into(output: int | IO[str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpubd", *args],
+        stdout=output,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+
+
+def test_a_full_disk_under_the_output_is_one_line(daemon: Daemon) -> None:
+    """`kvpubd stats > /dev/full` (a full disk under `subscribe > events.log`): exit 1 and
+    one line, no traceback, for every command that prints."""
+    control = ("--control", daemon.control_endpoint)
+    streams = ("--endpoint", daemon.events_endpoint, "--replay", daemon.replay_endpoint)
+    commands = [
+        ["--version"],
+        ["stats", *control],
+        ["ping", *control],
+        ["subscribe", *streams, "--count", "1"],
+        ["bench", "index", "--blocks", "1000", "--json"],
+    ]
+    with open("/dev/full", "w") as full:
+        for argv in commands:
+            result = _run_into(full, *argv)
+            assert result.returncode == 1, (argv, result.stderr)
+            assert result.stderr.splitlines() == ["kvpubd: cannot write: No space left on device"]
+
+
+def _first_lines_then_close(args: list[str], lines: int) -> subprocess.CompletedProcess[str]:
+    """`kvpubd ARGS | head -LINES`."""
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvpubd", *args],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end) as reader:
+            for _ in range(lines):
+                assert reader.readline(), "the output ended early"
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(args, proc.returncode, "", err)
+
+
+def test_a_reader_that_stops_early_ends_any_command_with_0() -> None:
+    """`--help | head -1` and `demo | head -2` end quietly with 0, as `subscribe | head`."""
+    for args, lines in ((["--help"], 1), (["demo", "--duration", "2"], 2)):
+        result = _first_lines_then_close(args, lines)
+        assert result.returncode == 0, (args, result.stderr)
+        assert result.stderr == "", args
+
+
+def test_config_mistakes_from_env_and_deep_nesting_are_one_line(tmp_path: Path) -> None:
+    """A whole section given as JSON that is not an object, a config nested deeper than
+    Python recurses, a tick that would spin an idle daemon: exit 2 and one line each."""
+    deep_json = tmp_path / "deep.json"
+    deep_json.write_text("[" * 100_000 + "]" * 100_000)
+    deep_toml = tmp_path / "deep.toml"
+    deep_toml.write_text("a = " + "[" * 100_000 + "]" * 100_000)
+    cases = [
+        ({"KVPUBD_EVENTS": "{not json"}, [], "KVPUBD_EVENTS"),
+        ({}, ["--kv-events-config", f"@{deep_json}"], "kv-events-config"),
+        ({}, ["--config", str(deep_toml)], str(deep_toml)),
+        ({"KVPUBD_EVENTS__TICK_INTERVAL_MS": "0.000001"}, [], "events.tick_interval_ms"),
+    ]
+    for env, args, word in cases:
+        (result,) = kvpubd_all(["serve", *args], env={**ENV, **env})
+        assert_one_line(result, 2, "config error", word)
+
+
+def test_help_shows_flags_as_flags_and_never_cuts_a_name() -> None:
+    """Flags take no value (no `<bool>` after them), and at 80 columns (a pipe) the longest
+    option names are wrapped, not cut."""
+    narrow = {key: value for key, value in ENV.items() if key != "COLUMNS"}
+    main, subscribe, throughput = kvpubd_all(
+        ["--help"], ["subscribe", "--help"], ["bench", "throughput", "--help"], env=narrow
+    )
+    for result in (main, subscribe, throughput):
+        assert result.returncode == 0, result.stderr
+        assert "<bool>" not in result.stdout
+        assert "…" not in result.stdout
+    assert "--no-daemon-per-rank" in throughput.stdout
+
+
+def test_keys_into_a_file_says_it_is_not_a_directory(tmp_path: Path) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("")
+    for force in ([], ["--force"]):
+        line = assert_one_line(kvpubd("keys", str(target), *force), 2, "is not a directory")
+        assert "--force" not in line
+
+
+def test_subscribe_takes_back_the_ipc_endpoints_ping_prints(start_daemon: object) -> None:
+    """ipc ranks bind `<endpoint>_dp<rank>`; `ping` prints those; passed back to `subscribe`
+    (for two ranks, or one of them), they reach the same sockets."""
+    daemon: Daemon = start_daemon(cache={"data_parallel_size": 2})  # type: ignore[operator]
+    ping = kvpubd("ping", "--control", daemon.control_endpoint)
+    assert ping.returncode == 0, ping.stderr
+    endpoints = json.loads(ping.stdout)["endpoints"]
+    first = [daemon.first_seq(rank) for rank in (0, 1)]
+    for printed, args, ranks in (
+        (endpoints[0], ["--ranks", "2"], [0, 1]),  # rank 0's, as the base port is for tcp
+        (endpoints[1], ["--rank", "1"], [1]),  # rank 1's own
+    ):
+        assert printed["events"].endswith(f"_dp{ranks[0]}")
+        result = kvpubd(
+            "subscribe",
+            *("--endpoint", printed["events"], "--replay", printed["replay"]),
+            *args,
+            *("--count", str(len(ranks)), "--timeout", "2"),
+            timeout=20,
+        )
+        assert result.returncode == 0, result.stderr
+        assert sorted(result.stdout.splitlines()) == [
+            f"rank={rank} seq={first[rank]} AllBlocksCleared" for rank in ranks
+        ]

@@ -246,7 +246,8 @@ def test_hadolint_reports_nothing() -> None:
 
 def test_the_build_stage_builds_a_wheel_from_the_copied_files(tmp_path: Path) -> None:
     """What the build stage does, here: copy exactly its COPY sources, `pip wheel` them; the
-    wheel holds the package and its CUDA kernels."""
+    wheel holds the package, its CUDA kernels and its PEP 561 marker (without it mypy sees
+    every kvpubd import as Any)."""
     try:  # building without isolation needs setuptools >= 70.1 (or the wheel package)
         import setuptools.command.bdist_wheel  # noqa: F401
     except ImportError:
@@ -268,7 +269,11 @@ def test_the_build_stage_builds_a_wheel_from_the_copied_files(tmp_path: Path) ->
     assert result.returncode == 0, result.stdout + result.stderr
     (wheel,) = (tmp_path / "wheels").glob("kvpubd-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"kvpubd/daemon/service.py", "kvpubd/daemon/_kernels/block_ops.cu"} <= names
+    assert {
+        "kvpubd/daemon/service.py",
+        "kvpubd/daemon/_kernels/block_ops.cu",
+        "kvpubd/py.typed",
+    } <= names
 
 
 def test_the_cli_reads_the_control_endpoint_the_service_sets(daemon: Daemon) -> None:

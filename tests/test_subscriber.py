@@ -211,6 +211,33 @@ def test_tracker_new_epoch_restarts_every_rank() -> None:
     assert all(s.last is None and s.epoch == 8 for s in tracker.streams.values())
 
 
+def test_tracker_counts_a_forward_restart_alike_with_and_without_control() -> None:
+    """A new run whose seqs start above the old run's (the clock origin): its first live
+    batch is a gap, and the mirror is rebuilt from its start-up marker. With control the
+    epoch also proves the restart; otherwise the counters say the same."""
+    new_run = [(100, payload([AllBlocksCleared()])), (101, payload([stored(9)]))]
+    results = {}
+    for control in (False, True):
+        resyncs: list[tuple[int, int]] = []
+        tracker = connected(control=control, upto=2)
+        tracker.callbacks.on_resync = lambda *args, seen=resyncs: seen.append(args)
+        assert tracker.on_live(0, [b"", pack_seq(101), new_run[1][1]]) == []
+        if control:
+            assert tracker.next_request() == Ping()
+            tracker.on_ping({"epoch": 8, "ranks": 1})
+            assert tracker.next_request() == Reconnect(0)
+            tracker.on_reconnected(0)
+        start = tracker.streams[0].replay_start
+        assert tracker.next_request() == Replay(0, start)
+        tracker.on_replay(0, start, new_run)
+        stream = tracker.streams[0]
+        assert stream.mirror is not None and set(stream.mirror.blocks) == {9}
+        c = stream.counters
+        results[control] = (c.gaps, c.resyncs, c.lost, c.violations, resyncs)
+        assert c.restarts == (1 if control else 0)
+    assert results[True] == results[False] == (1, 1, 0, 0, [(0, 100)])
+
+
 def test_tracker_snapshot_of_another_run_is_a_restart() -> None:
     tracker = connected(upto=1)
     tracker.on_live(0, live(5, STREAM[5]))
@@ -666,3 +693,21 @@ def test_a_mirror_holds_a_stream_to_one_block_size_until_it_is_cleared() -> None
     fixed = Mirror(16)
     with pytest.raises(MirrorError):
         fixed.apply([AllBlocksCleared(), other])
+
+
+def test_the_client_exports_what_a_batch_holds(daemon: Daemon) -> None:
+    """A consumer needs no import beyond ``kvpubd.client`` to tell events apart."""
+    import kvpubd.client as client
+
+    batches: list[Any] = []
+
+    def events() -> list[Any]:
+        return [event for batch in batches for event in batch.events]
+
+    with daemon.subscriber(on_batch=lambda received: batches.append(received.batch)) as sub:
+        sub.catch_up()
+        with daemon.client() as control:
+            store_released(control, unique_prompt(2))
+        pump(sub, lambda: any(isinstance(e, client.BlockStored) for e in events()), what="a store")
+    assert all(isinstance(batch, client.EventBatch) for batch in batches)
+    assert isinstance(events()[0], client.AllBlocksCleared)  # the start-up marker

@@ -4,7 +4,9 @@
   answering with the typed replies of ``kvpubd.client.replies``;
 - ``Subscriber`` / ``AsyncSubscriber``: follow the event stream, repairing gaps by replay;
 - ``Mirror``: the cache as a router sees it, rebuilt from published events alone;
-- ``map_pool``: map the daemon's block pool into this process.
+- ``map_pool``: map the daemon's block pool into this process;
+- the events a batch holds (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, their
+  union ``Event``, and ``EventBatch``), so that a consumer needs no other import.
 
 The client never imports the daemon: it speaks the protocol (``kvpubd.protocol``) only.
 """
@@ -36,15 +38,21 @@ from kvpubd.client.subscriber import (
     replay,
 )
 from kvpubd.client.tracker import Received
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 __all__ = [
+    "AllBlocksCleared",
     "AsyncControlClient",
     "AsyncSubscriber",
+    "BlockRemoved",
+    "BlockStored",
     "ChecksumReply",
     "ControlClient",
     "ControlError",
     "ControlTimeout",
     "Counters",
+    "Event",
+    "EventBatch",
     "MappedPool",
     "Marker",
     "Mirror",

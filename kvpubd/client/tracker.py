@@ -72,8 +72,12 @@ class Counters:
     replayed: int = 0  # of the batches, those that came through replay
     gaps: int = 0  # holes seen in the live stream
     gaps_repaired: int = 0  # ... filled by replay
-    resyncs: int = 0  # mirror replaced: by a snapshot, or rebuilt from a reset marker after a jump
-    restarts: int = 0  # daemon restarts detected (state dropped)
+    # Mirror replaced: by a snapshot, rebuilt from a reset marker after a jump, or rebuilt from
+    # a new run after a restart; the same count with or without control for the same events.
+    resyncs: int = 0
+    # Daemon restarts proven (state dropped): a seq going back, a batch with another payload,
+    # a new epoch (only with control: without it, a run that jumps forward is one resync).
+    restarts: int = 0
     duplicates: int = 0  # batches ignored: already applied, or covered by a snapshot
     lost: int = 0  # seqs that could be neither replayed nor resynchronised
     violations: int = 0  # batches that broke the stream's invariants
@@ -130,6 +134,7 @@ class RankStream:
         self.keep_mirror = keep_mirror
         self.counters = Counters()
         self.epoch: int | None = None  # the daemon run this state belongs to, when known
+        self.rebuilding = False  # state dropped by a restart, the new run's not applied yet
         self.clear()
         self.need_reconnect = False
         self.need_replay = False
@@ -313,6 +318,7 @@ class StreamTracker:
                 raise SubscriberError(f"rank {rank}: snapshot breaks an invariant: {exc}") from None
             stream.mirror = mirror
         self.epoch = stream.epoch = epoch
+        stream.rebuilding = False  # counted here, as the resync it is
         stream.synced = True
         stream.last = seq if seq >= 0 else None
         stream.trigger = None  # published before the snapshot was taken: covered
@@ -445,6 +451,13 @@ class StreamTracker:
         stream.last = seq
         if fingerprint:
             stream.remember(seq, payload)
+        if stream.rebuilding:
+            # The new run's first batch: the mirror is rebuilt from it, a resync as it is
+            # without control (where the repair jumps onto that batch).
+            stream.rebuilding = False
+            stream.counters.resyncs += 1
+            if self.callbacks.on_resync:
+                self.callbacks.on_resync(stream.rank, seq)
         events = batch.events
         if not stream.synced:
             markers = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
@@ -468,6 +481,7 @@ class StreamTracker:
 
     def _restart(self, stream: RankStream, reason: str) -> None:
         stream.counters.restarts += 1
+        stream.rebuilding = stream.rebuilding or stream.last is not None
         stream.clear()
         stream.epoch = None
         stream.need_reconnect = True

@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from kvpubd.protocol.endpoints import (
     CLIENT_ENV,
@@ -68,7 +73,8 @@ class EventsConfig(_Section):
     buffer_steps: int = Field(10_000, ge=1, le=10_000_000)
     hwm: int = Field(100_000, ge=0, le=ZMQ_INT_MAX)
     max_events_per_tick: int = Field(50_000, ge=1)
-    tick_interval_ms: float = Field(10.0, gt=0, le=60_000)
+    # Below 1 ms an idle daemon would spin its CPU on ticks that publish nothing.
+    tick_interval_ms: float = Field(10.0, ge=1, le=60_000)
     medium: str | None = None
     # Immediate publication of reset markers; off only to measure the engines' behaviour.
     flush_on_reset: bool = True
@@ -303,6 +309,8 @@ def load_settings(
             raise ConfigError(f"config file {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+        except RecursionError:  # tomllib recurses once per nesting level
+            raise ConfigError(f"config file {path}: nested too deeply to be a config") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(
                 f"config file {path}: not UTF-8 text (byte {exc.start}: {exc.reason})"
@@ -314,6 +322,18 @@ def load_settings(
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc)) from None
+    except SettingsError as exc:  # a whole section as JSON (KVPUBD_EVENTS='{...}') that is not
+        raise ConfigError(_describe_env_error(exc)) from None
+    except RecursionError:
+        raise ConfigError("environment: a KVPUBD_* value is nested too deeply") from None
+
+
+def _describe_env_error(exc: SettingsError) -> str:
+    """pydantic-settings names the field, not the variable; the cause says what is wrong."""
+    match = re.search(r'field "(\w+)"', str(exc))
+    variable = f"KVPUBD_{match.group(1).upper()}" if match else "a KVPUBD_* variable"
+    cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
+    return f"{variable}: a whole section must be a JSON object{cause}"
 
 
 # A config file is a few KiB (config/kvpubd.toml, every key, is under 8); the bound keeps a

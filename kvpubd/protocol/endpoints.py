@@ -53,6 +53,19 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
+_RANK_SUFFIX = re.compile(r"_dp\d+$")
+
+
+def base_endpoint(endpoint: str) -> str:
+    """The base ``rank_endpoint`` was given, from an ipc or inproc endpoint that already names
+    a rank (``ipc:///run/kvpubd/events_dp0``, as ``ping`` reports it), so that what ``ping``
+    prints can be passed back. Others are returned as they are (tcp: rank 0's port is the
+    base)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return _RANK_SUFFIX.sub("", endpoint)
+    return endpoint
+
+
 # While a daemon's ipc listener is at its connection cap, its socket file lies renamed with
 # this suffix: new connections fail and are retried until it is back.
 CAPPED_SUFFIX = ".capped"

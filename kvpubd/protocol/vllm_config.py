@@ -54,6 +54,8 @@ def load_kv_events_config(value: str) -> KvEventsMapping:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"kv-events-config: not valid JSON: {exc}") from None
+    except RecursionError:  # json.loads recurses once per nesting level
+        raise ConfigError("kv-events-config: nested too deeply to be vLLM's config") from None
     return map_kv_events_config(data)
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import time
 import zipfile
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgpack
@@ -18,11 +19,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvpubd.exits import USAGE, check_positive, fail, warn
+from kvpubd.interrupts import ctrl_c_kept_from_children, interrupts_ignored
 from kvpubd.protocol.hashing import HashAlgorithm
 from kvpubd.tools.launcher import DaemonProcess
 
 bench_app = typer.Typer(
-    help="Measure a real daemon (started here, on loopback).", no_args_is_help=True
+    help="Measure a real daemon (started here, on loopback).",
+    no_args_is_help=True,
+    rich_markup_mode=None,  # plain help: flags without a <bool>, long names wrapped, not cut
 )
 err = Console(stderr=True)
 
@@ -203,7 +207,8 @@ class BareMarkerServer:
         return ControlClient(self.control_endpoint, timeout=timeout)
 
     def __enter__(self) -> BareMarkerServer:
-        self._process.start()
+        with ctrl_c_kept_from_children():  # Ctrl-C is this process's to handle: it stops the server
+            self._process.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -432,8 +437,9 @@ def measure_under(
                 )
         results["load"] = load.results
     finally:
-        probe.close()
-        results["daemon"] = _stop_and_report(daemon)
+        with interrupts_ignored():  # a second Ctrl-C must not leave the daemon behind
+            probe.close()
+            results["daemon"] = _stop_and_report(daemon)
     return results
 
 
@@ -451,6 +457,9 @@ def _start_with_free_ports(
             daemon.cleanup()
             if attempt == 2:
                 raise
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: stop it, remove its files
+            daemon.__exit__()
+            raise
     raise AssertionError("unreachable")
 
 
@@ -533,7 +542,7 @@ def bench_reset(
             f"use --resets {MIN_RESETS} or more"
         )
     if under is not None:
-        with Progress(console=err, transient=True) as progress:
+        with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
             result = measure_under(
                 under,
                 size_list,
@@ -551,7 +560,7 @@ def bench_reset(
         else:
             Console().print(under_table(result))
         return
-    with Progress(console=err, transient=True) as progress:
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         immediate = measure_resets(size_list, resets, True, progress, device, idle_ms)
         baseline = measure_resets(size_list, resets, False, progress, device, idle_ms)
         floor = measure_floor(resets, idle_ms, progress)
@@ -1114,8 +1123,9 @@ def measure_throughput(
                 counter = spawn.Process(
                     target=_count_stored, args=(endpoint, sub_side, results_out), daemon=True
                 )
-                counter.start()
-                stack.callback(_join_counter, counter)
+                with ctrl_c_kept_from_children():  # Ctrl-C is ours to handle: we stop the counters
+                    counter.start()
+                stack.push(_counter_stopper(counter))
                 pipes.append((probe, control_side))
                 results.append(results_in)
                 route.append(probe)
@@ -1175,10 +1185,17 @@ def measure_throughput(
     }
 
 
-def _join_counter(counter: Any) -> None:
-    counter.join(10)
-    if counter.is_alive():
-        counter.terminate()
+def _counter_stopper(counter: Any) -> Callable[..., None]:
+    """An exit callback: after a complete run the counter reports and ends by itself; after
+    a failure or Ctrl-C it waits for a stop seq that never comes, so it is stopped at once."""
+
+    def stop(exc_type: type[BaseException] | None, *_: object) -> None:
+        counter.join(10 if exc_type is None else 0)
+        if counter.is_alive():
+            counter.terminate()
+            counter.join()
+
+    return stop
 
 
 @bench_app.command("throughput")

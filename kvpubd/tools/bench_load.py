@@ -24,6 +24,8 @@ import msgpack
 import numpy as np
 import zmq
 
+from kvpubd.interrupts import ctrl_c_kept_from_children
+
 LOADS = ("snapshot", "replay-flood", "big-store", "idle-conns")
 # The rank a load works on; the bench resets rank 0 alone, so a load's own cache survives.
 LOAD_RANK = 1
@@ -343,8 +345,9 @@ class Load:
         return True
 
     def __enter__(self) -> Load:
-        for process in self.processes:
-            process.start()
+        with ctrl_c_kept_from_children():  # Ctrl-C is the bench's to handle: __exit__ stops them
+            for process in self.processes:
+                process.start()
         return self
 
     def __exit__(self, *exc: object) -> None:

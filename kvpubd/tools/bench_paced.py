@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from kvpubd.interrupts import ctrl_c_kept_from_children
 from kvpubd.tools.launcher import DaemonProcess
 
 LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
@@ -83,9 +84,11 @@ def measure_resets_under_load(
             args=(daemon.control_endpoint, fraction * capacity_rps, seconds, child_stop),
             daemon=True,
         )
+        stopped = False
         try:
             probe.wait_connected()
-            load.start()
+            with ctrl_c_kept_from_children():  # Ctrl-C is the bench's to handle: it stops the load
+                load.start()
             time.sleep(1.0)  # the load reaches its pace (a bench, not a test: sleeping is fine)
             markers, replies = [], []
             for _ in range(resets):
@@ -98,9 +101,10 @@ def measure_resets_under_load(
                 markers.append(marker)
                 replies.append(reply)
             stop.send("stop")
+            stopped = True
             done = stop.recv() if stop.poll(30) else {}
         finally:
-            load.join(10)
+            load.join(10 if stopped else 0)  # interrupted: the load would run its full time
             if load.is_alive():
                 load.terminate()
             probe.close()

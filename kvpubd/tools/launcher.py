@@ -3,6 +3,7 @@ demos and tests use it; each daemon gets a private directory)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,10 +20,34 @@ from typing import IO, Any
 import zmq
 
 from kvpubd.client import ControlClient, ControlTimeout, Subscriber
+from kvpubd.interrupts import interrupts_deferred, interrupts_ignored
 from kvpubd.protocol.endpoints import missing_ipc_socket
 
 PORT_CLASH_RETRIES = 3
 ADDRESS_IN_USE = "Address already in use"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Loaded here, not in the forked child (which must only call it).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+
+def dies_with_this_process(also: Callable[[], None] | None = None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGTERM when this process dies, however it
+    dies (SIGKILL included), so no child daemon outlives its tool. The kernel ties it to the
+    *thread* that forks, so it is set only when the main thread starts the child (the main
+    thread lives as long as the process); from other threads only ``also`` runs."""
+    if _prctl is None or threading.current_thread() is not threading.main_thread():
+        return also
+    parent = os.getpid()
+    prctl = _prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal
+            os.kill(os.getpid(), signal.SIGTERM)
+        if also is not None:
+            also()
+
+    return preexec
 
 
 def live_subscriber(endpoint: str, poll_ms: int = 20) -> tuple[zmq.Context, zmq.Socket]:
@@ -194,13 +220,14 @@ class DaemonProcess:
         if self._log is not None:
             self._log.close()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpubd", "serve", "--config", str(self.config_path)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=preexec_fn,
-        )
+        with interrupts_deferred():  # until self.proc holds the child, so that it can be stopped
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpubd", "serve", "--config", str(self.config_path)],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=dies_with_this_process(preexec_fn),
+            )
         deadline = time.monotonic() + timeout
         with self.client(timeout=0.2) as client:
             while True:
@@ -250,11 +277,17 @@ class DaemonProcess:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> DaemonProcess:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: __exit__ would not run
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            if self.alive():
-                self.stop()
-        finally:
-            self.cleanup()
+        # A second Ctrl-C must not leave the daemon, its shm segment or its directory behind.
+        with interrupts_ignored():
+            try:
+                if self.alive():
+                    self.stop()
+            finally:
+                self.cleanup()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpubd.client import ControlClient, ControlError, ControlTimeout
+from kvpubd.interrupts import interrupts_ignored
 
 KINDS = ("chat", "doc", "unique")
 DEFAULT_MIX = "chat=5,doc=3,unique=2"
@@ -245,13 +246,16 @@ class LoadGenerator:
         return self.stats
 
     def release_all(self) -> None:
-        """Release every open request; stops at the first timeout (the daemon is gone)."""
-        while self._open:
-            try:
-                self._release(self._open.popleft()[1])
-            except ControlTimeout:
-                self._error("release", "timeout")
-                self._open.clear()
+        """Release every open request; stops at the first timeout (the daemon is gone). A
+        second Ctrl-C (or SIGTERM) meanwhile is ignored: requests left open pin their blocks
+        in the daemon for good."""
+        with interrupts_ignored():
+            while self._open:
+                try:
+                    self._release(self._open.popleft()[1])
+                except ControlTimeout:
+                    self._error("release", "timeout")
+                    self._open.clear()
 
     def _send(self, now: float) -> None:
         prompt = self.workload.next()
@@ -264,6 +268,11 @@ class LoadGenerator:
         except ControlError as exc:  # e.g. pool_exhausted while many requests pin blocks
             self._error("store", exc.code)
             return
+        except KeyboardInterrupt:
+            # Ctrl-C mid-store: the daemon may have applied it, so it is released with the
+            # rest (a store that never arrived is refused as unknown_request then).
+            self._open.appendleft((now, request_id))
+            raise
         stats = self.stats
         stats.requests += 1
         stats.by_kind[prompt.kind] = stats.by_kind.get(prompt.kind, 0) + 1

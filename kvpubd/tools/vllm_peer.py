@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpubd.interrupts import ctrl_c_kept_from_children
 from kvpubd.protocol.wire import BlockHash
 
 ENV_VAR = "KVPUBD_VLLM_KV_EVENTS"
@@ -330,7 +331,8 @@ class _Side:
         def start(target: Any, *args: Any) -> Any:
             pipe, child = spawn.Pipe()
             process = spawn.Process(target=target, args=(*args, child), daemon=True)
-            process.start()
+            with ctrl_c_kept_from_children():  # Ctrl-C is the bench's to handle: it stops them
+                process.start()
             self.pipes.append(pipe)
             self.processes.append(process)
             return pipe
