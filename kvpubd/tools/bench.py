@@ -1301,6 +1301,11 @@ def bench_throughput(
 def bench_soak(
     duration: Annotated[float, typer.Option(help="seconds of load", min=5)] = 60.0,
     seed: Annotated[int, typer.Option(help="seed of the prober's choices")] = 0,
+    load: Annotated[
+        list[str] | None,
+        typer.Option(help="run only this load (repeat for several); default: every load"),
+    ] = None,
+    reloads: Annotated[bool, typer.Option(help="send SIGHUP now and then")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Every load at once (large, cached and small stores, checksums, snapshots, a replay
@@ -1310,7 +1315,16 @@ def bench_soak(
 
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("soak", total=None)
-        report = run_soak(duration, seed, lambda text: progress.update(task, description=text))
+        try:
+            report = run_soak(
+                duration,
+                seed,
+                lambda text: progress.update(task, description=text),
+                loads_run=load or None,
+                reloads=reloads,
+            )
+        except ValueError as exc:
+            raise fail(f"--load: {exc}", USAGE) from None
     if as_json:
         print(json.dumps(report))
     else:
@@ -1320,7 +1334,8 @@ def bench_soak(
             f"marker p50 {resets['p50_us'] / 1000:.2f} ms, "
             f"p99 {resets['p99_us'] / 1000:.2f} ms, max {(resets['max_us'] or 0) / 1000:.2f} ms; "
             f"{report['resets_lost']} lost; {report['checkpoints']} checkpoints, "
-            f"{len(report['divergences'])} divergence(s); daemon alive: "
+            f"{len(report['divergences'])} divergence(s); {report['load_failures']} load "
+            f"request(s) failed; daemon alive: "
             f"{report['daemon'].get('alive_at_end')}"
         )
         for line in report["divergences"]:

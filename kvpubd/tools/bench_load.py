@@ -105,7 +105,7 @@ def _request_loop(
             for i, request in enumerate(next_requests(n)):
                 request_id = next(ids)
                 started = time.perf_counter()
-                _send_request(sock, {**request, "id": request_id})
+                _send_request(sock, {"id": request_id, **request})  # long lists last
                 if i == 0:
                     with control.ops.get_lock():
                         control.ops.value += 1

@@ -256,7 +256,19 @@ def _check(sub: Any, client: Any, rank: int, attempts: int = 5) -> list[str]:
     return [problem]
 
 
-def run_soak(duration_s: float, seed: int = 0, progress: Any = None) -> dict[str, Any]:
+def run_soak(
+    duration_s: float,
+    seed: int = 0,
+    progress: Any = None,
+    loads_run: list[str] | None = None,
+    reloads: bool = True,
+) -> dict[str, Any]:
+    """The soak with ``loads_run`` (default: all of LOADS), SIGHUPs now and then if
+    ``reloads``."""
+    names = list(LOADS) if loads_run is None else loads_run
+    unknown = [name for name in names if name not in LOADS]
+    if unknown:
+        raise ValueError(f"unknown load(s) {', '.join(unknown)}; known: {', '.join(LOADS)}")
     from kvpubd.tools.bench import ResetProbe, _start_with_free_ports, _stop_and_report, summary
     from kvpubd.tools.bench_load import LoadControl as Control
     from kvpubd.tools.launcher import free_tcp_ports
@@ -286,7 +298,7 @@ def run_soak(duration_s: float, seed: int = 0, progress: Any = None) -> dict[str
         flood_processes=1,
     )
     control = Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue())
-    loads = [ctx.Process(target=fn, args=(control, spec), daemon=True) for fn in LOADS.values()]
+    loads = [ctx.Process(target=LOADS[name], args=(control, spec), daemon=True) for name in names]
     commands, follower_end = ctx.Pipe()
     endpoints = {
         "events": daemon.events_endpoint,
@@ -300,8 +312,8 @@ def run_soak(duration_s: float, seed: int = 0, progress: Any = None) -> dict[str
     lost = 0
     divergences: list[str] = []
     checkpoints = 0
-    reloads = 0
-    report: dict[str, Any] = {}
+    sighups = 0
+    report: dict[str, Any] = {"loads_run": names}
     try:
         probe.wait_connected()
         follower.start()
@@ -316,9 +328,9 @@ def run_soak(duration_s: float, seed: int = 0, progress: Any = None) -> dict[str
                 divergences += _checkpoint(control, probe, commands)
                 next_checkpoint = time.monotonic() + CHECKPOINT_EVERY_S
             time.sleep(rng.uniform(0.05, 0.25))
-            if rng.random() < 0.05 and daemon.proc is not None:
+            if reloads and rng.random() < 0.05 and daemon.proc is not None:
                 os.kill(daemon.proc.pid, signal.SIGHUP)
-                reloads += 1
+                sighups += 1
             fields = {"rank": 0} if rng.random() < 0.5 else {}
             probe.drain_sub(0)
             marker, _reply, _ = probe.try_reset(RESET_TIMEOUT_S, **fields)
@@ -358,12 +370,19 @@ def run_soak(duration_s: float, seed: int = 0, progress: Any = None) -> dict[str
             "duration_s": duration_s,
             "resets": summary(markers),
             "resets_lost": lost,
-            "reloads": reloads,
+            "reloads": sighups,
             "checkpoints": checkpoints,
             "divergences": divergences,
         }
     )
-    report["ok"] = not divergences and not lost and bool(report["daemon"].get("alive_at_end"))
+    # A load that failed did not load the daemon as meant (a request it got wrong, say).
+    report["load_failures"] = sum(int(r.get("failures") or 0) for r in report["loads"])
+    report["ok"] = (
+        not divergences
+        and not lost
+        and not report["load_failures"]
+        and bool(report["daemon"].get("alive_at_end"))
+    )
     return report
 
 
