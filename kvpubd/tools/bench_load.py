@@ -67,14 +67,22 @@ def _send_request(sock: zmq.Socket, request: dict[str, Any]) -> None:
     sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
 
 
-def _await_reply(sock: zmq.Socket, request_id: int, control: LoadControl, timeout: float) -> bool:
-    """True once the reply to ``request_id`` came (ok or not); False on stop or timeout."""
+def _await_reply(
+    sock: zmq.Socket,
+    request_id: int,
+    control: LoadControl,
+    timeout: float,
+    tolerated: frozenset[str] = frozenset(),
+) -> bool:
+    """True once the reply to ``request_id`` came ok (or refused with a ``tolerated`` error
+    code); False on another refusal, stop or timeout."""
     deadline = time.monotonic() + timeout
     while not control.stop.is_set() and time.monotonic() < deadline:
         if sock.poll(POLL_MS):
             reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
             if reply.get("id") == request_id:
-                return bool(reply.get("ok"))
+                error = reply.get("error") or {}
+                return bool(reply.get("ok")) or error.get("code") in tolerated
     return False
 
 
@@ -84,6 +92,7 @@ def _request_loop(
     next_requests: Callable[[int], list[dict[str, Any]]],
     label: str,
     reply_timeout: float = 600.0,
+    tolerated: frozenset[str] = frozenset(),
 ) -> None:
     """Send the requests of ``next_requests(n)`` one after another, each awaiting its reply,
     for n = 0, 1, ... while ``go`` is set; time the first request of each round."""
@@ -109,7 +118,7 @@ def _request_loop(
                 if i == 0:
                     with control.ops.get_lock():
                         control.ops.value += 1
-                ok = _await_reply(sock, request_id, control, reply_timeout)
+                ok = _await_reply(sock, request_id, control, reply_timeout, tolerated)
                 if control.stop.is_set():
                     return
                 if i == 0:
