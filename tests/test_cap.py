@@ -59,7 +59,8 @@ def test_a_large_capture_goes_out_at_once_and_still_counts_against_the_tick(
     """Once FLUSH_BLOCKS blocks are captured they are published without waiting for the tick
     (here one tick lasts the whole test), so a reset never has more than that to publish
     ahead of its marker; that flush does not refill the tick's budget, and while the drain
-    is paused nothing goes out early."""
+    is paused nothing goes out early. (A large store is captured a slice at a time: its
+    first FLUSH_BLOCKS blocks go out at once, the rest waits for the tick.)"""
     blocks = FLUSH_BLOCKS + 76
     budget = FLUSH_BLOCKS + 476
     daemon = start_daemon(
@@ -70,18 +71,21 @@ def test_a_large_capture_goes_out_at_once_and_still_counts_against_the_tick(
         start = client.stats().ranks[0]
         client.store("a", packed_prompt(blocks, 1))
         after_a = client.stats().ranks[0]
-        assert after_a.events_pending == 0 and after_a.seq == start.seq + 1
-        assert after_a.blocks_published == blocks
+        assert after_a.seq == start.seq + 1
+        assert after_a.blocks_published == blocks  # the record counts what is captured
+        assert after_a.events_pending >= 1  # the last 76 blocks, until the tick
         # The budget has budget - blocks left: that much of b is captured, and kept pending.
         client.store("b", packed_prompt(blocks, 2))
         after_b = client.stats().ranks[0]
-        assert after_b.events_pending == 1 and after_b.seq == after_a.seq
+        assert after_b.seq == after_a.seq
         assert after_b.dropped_stored_blocks - start.dropped_stored_blocks == 2 * blocks - budget
         assert after_b.blocks_published == budget
 
-        client.reset(force=True)  # publishes b's part, a fresh budget
+        client.reset(force=True)  # publishes what is pending, then a fresh budget
+        after_reset = client.stats().ranks[0]
+        assert after_reset.events_pending == 0
         client.pause()
         paused = client.stats().ranks[0]
         client.store("c", packed_prompt(blocks, 3))
         after_c = client.stats().ranks[0]
-        assert after_c.events_pending == 1 and after_c.seq == paused.seq
+        assert after_c.events_pending >= 1 and after_c.seq == paused.seq

@@ -32,6 +32,7 @@ def test_one_line_per_lifecycle_step(start_daemon: StartDaemon) -> None:
     lines = [re.sub(r"^\S+ \S+ ", "", line) for line in daemon.log().splitlines()]
     expected = [
         r"INFO kvpubd: kvpubd \S+: config \S+kvpubd\.toml",
+        r"INFO kvpubd: rank 0: no earlier run in \S+\.seq: seqs start at 0",
         r"INFO kvpubd: rank 0: events on ipc://\S+_dp0, replay on ipc://\S+_dp0",
         rf"INFO kvpubd: metrics on http://127\.0\.0\.1:{port}/metrics",
         r"INFO kvpubd: ready: 1 rank\(s\), 256 blocks of \d+ bytes each, "

@@ -711,3 +711,70 @@ def test_the_client_exports_what_a_batch_holds(daemon: Daemon) -> None:
         pump(sub, lambda: any(isinstance(e, client.BlockStored) for e in events()), what="a store")
     assert all(isinstance(batch, client.EventBatch) for batch in batches)
     assert isinstance(events()[0], client.AllBlocksCleared)  # the start-up marker
+
+
+def test_tracker_refuses_a_batch_that_names_another_rank() -> None:
+    """A replayed or live batch whose payload names another rank never reaches this rank's
+    mirror: it is malformed, and the hole it leaves is repaired like any other."""
+    other_rank = BatchEncoder("map", 1)
+    tracker = connected(upto=1)
+    foreign = other_rank.encode(1.0, [stored(9)])
+    assert tracker.on_live(0, [b"", pack_seq(2), foreign]) == []
+    stream = tracker.streams[0]
+    assert stream.counters.malformed == 1
+    assert stream.mirror is not None and 9 not in stream.mirror.blocks
+    tracker = StreamTracker([0], replay=True, control=False)
+    assert tracker.next_request() == Replay(0, 0)
+    got = tracker.on_replay(0, 0, [(0, payload(STREAM[0])), (1, foreign)])
+    assert seqs(got) == [0] and tracker.streams[0].counters.malformed == 1
+    mirror = tracker.streams[0].mirror
+    assert mirror is not None and 9 not in mirror.blocks
+
+
+def test_tracker_counts_an_implausible_jump_as_one_loss() -> None:
+    """Live-only, a forged seq near the top of the seq space is one loss, not 1.8e19; an
+    ordinary gap still counts its missing seqs."""
+    tracker = StreamTracker([0], replay=False, control=False)
+    tracker.on_live(0, live(0, STREAM[0]))
+    tracker.on_live(0, live(3, STREAM[1]))
+    assert tracker.streams[0].counters.lost == 2
+    tracker.on_live(0, live(2**64 - 2, STREAM[2]))
+    assert tracker.streams[0].counters.lost == 3
+
+
+def test_a_replay_that_trickles_ends_within_its_total_bound(tmp_path: Any) -> None:
+    """A replay socket that sends one batch just before each silence timeout would hold
+    ``catch_up`` for ever: the whole replay is bounded too, and it ends as a timeout."""
+    import threading
+
+    import zmq
+
+    from kvpubd.client.subscriber import SubscriberTimeout, replay
+
+    timeout = 0.2
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    endpoint = f"ipc://{tmp_path}/replay"
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        identity = router.recv_multipart()[0]
+        seq = 0
+        while not stop.is_set():
+            router.send_multipart([identity, b"", b"", pack_seq(seq), payload([])])
+            seq += 1
+            stop.wait(timeout / 2)
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    try:
+        # Bounded by the total, not by a silence (there never is one): without the bound
+        # this never returns.
+        with pytest.raises(SubscriberTimeout):
+            replay(endpoint, 0, timeout=timeout, context=ctx)
+    finally:
+        stop.set()
+        server.join(5)
+        router.close(linger=0)
+        ctx.term()

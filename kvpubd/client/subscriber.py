@@ -94,6 +94,12 @@ class ReplayReader:
         return False
 
 
+# A replay must finish within this many replay timeouts in all, not only without a silence
+# that long: a publisher that sends a batch just before each timeout would hold a catch_up
+# for ever. The daemon's whole ring streams in a fraction of one timeout.
+REPLAY_TOTAL_TIMEOUTS = 6
+
+
 def _replay_request(start_seq: int) -> list[bytes]:
     return [b"", pack_seq(start_seq)]
 
@@ -102,11 +108,14 @@ def _read_replay(
     sock: zmq.Socket[bytes], start_seq: int, timeout: float, topic: bytes
 ) -> list[tuple[int, bytes]] | None:
     """Ask ``sock`` (a connected DEALER) for every batch from ``start_seq``; None when the
-    answer did not finish within ``timeout`` seconds of silence."""
+    answer did not finish within ``timeout`` seconds of silence, or within
+    ``REPLAY_TOTAL_TIMEOUTS`` times that in all (a replay that trickles ends too)."""
     sock.send_multipart(_replay_request(start_seq))
     reader = ReplayReader(topic)
+    deadline = time.monotonic() + REPLAY_TOTAL_TIMEOUTS * timeout
     while True:
-        if not sock.poll(int(timeout * 1000)):
+        left = min(timeout, deadline - time.monotonic())
+        if left <= 0 or not sock.poll(int(left * 1000)):
             return None
         if reader.add(sock.recv_multipart()):
             return reader.batches
@@ -458,8 +467,10 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
         sock = self._dealer(rank)
         await sock.send_multipart(_replay_request(start))
         reader = ReplayReader(self.topic)
+        deadline = time.monotonic() + REPLAY_TOTAL_TIMEOUTS * self.replay_timeout
         while True:
-            if not await sock.poll(int(self.replay_timeout * 1000)):
+            left = min(self.replay_timeout, deadline - time.monotonic())
+            if left <= 0 or not await sock.poll(int(left * 1000)):
                 return None
             if reader.add(await sock.recv_multipart()):
                 return reader.batches

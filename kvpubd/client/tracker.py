@@ -44,6 +44,9 @@ from kvpubd.protocol.wire import (
     unpack_seq,
 )
 
+# The largest jump of seqs counted as that many lost batches: far more than any publisher keeps
+# for replay. A larger one is another run's seqs (a clock origin) or a forged seq: one loss.
+MAX_COUNTED_GAP = 1 << 20
 # Payload fingerprints kept per rank, to tell a duplicate from another run's batch.
 FINGERPRINT_WINDOW = 4096
 
@@ -427,8 +430,10 @@ class StreamTracker:
     def _unrecoverable(self, stream: RankStream, missing_from: int, seq: int) -> None:
         """Seqs [missing_from, seq) are gone for good: the mirror waits for a reset marker.
         (Before anything was applied, how many seqs came before ``seq`` is unknown: the
-        daemon's first seq is not 0; it is counted as one.)"""
-        stream.counters.lost += seq - missing_from if stream.last is not None else 1
+        daemon's first seq is not 0; it is counted as one. So is a jump no publisher's history
+        spans, over MAX_COUNTED_GAP seqs: another run's seqs, or a forged one.)"""
+        gap = seq - missing_from
+        stream.counters.lost += gap if stream.last is not None and gap <= MAX_COUNTED_GAP else 1
         stream.synced = False
         stream.gap_counted = False
 
@@ -442,6 +447,11 @@ class StreamTracker:
     ) -> list[Received]:
         try:
             batch = decode_batch(payload)
+            named = batch.data_parallel_rank
+            if named is not None and named != stream.rank:
+                # Another rank's batch (a misrouted socket, a forged replay): its events
+                # would land in this rank's mirror.
+                raise ValueError(f"a batch of rank {named} on rank {stream.rank}'s stream")
         except ValueError:
             stream.counters.malformed += 1
             self._history_gone(stream, seq, seq + 1)

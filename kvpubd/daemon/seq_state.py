@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvpubd.daemon.endpoint_lock import make_parents
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvpubd")
 
 MAGIC = b"kvpseq1\n"
 _PAIR = struct.Struct(">QQ")
