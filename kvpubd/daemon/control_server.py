@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -42,6 +43,9 @@ log = logging.getLogger("kvpubd")
 # milliseconds, so 64 of them back to back held the loop for a few hundred.
 CONTROL_BURST = 64
 CONTROL_BURST_BYTES = 1 << 20
+# ... and the time after which it gets one: 64 small stores at ~200 us each held the loop
+# 13-14 ms when every load ran at once (bench soak, H200), a reset behind them waited as long.
+CONTROL_BURST_S = 0.001
 # Entries of finished snapshot replies kept before a sweep drops them, and how often a
 # snapshot request waiting for the client's last reply to be written out looks again.
 UNSENT_SWEEP = 1024
@@ -147,6 +151,7 @@ class ControlServer:
         if sock is None:
             return
         budget = CONTROL_BURST_BYTES
+        deadline = time.perf_counter() + CONTROL_BURST_S
         for _ in range(CONTROL_BURST):
             if not readable(sock):
                 return
@@ -165,7 +170,7 @@ class ControlServer:
             elif reply is not None:
                 reply.then(functools.partial(self._send_settled, frames[0]))
             budget -= len(frames[-1])
-            if budget <= 0:
+            if budget <= 0 or time.perf_counter() >= deadline:
                 break
         # More may be waiting: the loop gets a turn first.
         self._serve_scheduled = True
