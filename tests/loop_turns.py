@@ -4,11 +4,39 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from kvpubd.daemon.pending import Pending
+from kvpubd.daemon.service import Service
+from kvpubd.protocol.config import Settings
+
+
+@asynccontextmanager
+async def started_service(tmp_path: Path, **sections: dict[str, Any]) -> AsyncIterator[Service]:
+    """The daemon's service in this process: private ipc endpoints, replay off, the drain tick
+    out of the way; ``sections`` add to those settings or replace them."""
+    settings: dict[str, dict[str, Any]] = {
+        "events": {
+            "endpoint": f"ipc://{tmp_path}/ev",
+            "replay_endpoint": "",
+            "tick_interval_ms": 60_000,
+        },
+        "control": {"endpoint": f"ipc://{tmp_path}/ctl"},
+        "service": {"linger_ms": 0},
+    }
+    for name, values in sections.items():
+        settings.setdefault(name, {}).update(values)
+    service = Service(Settings(**settings))
+    await service.startup()
+    try:
+        yield service
+    finally:
+        await service.shutdown()
 
 
 async def turns_until(done: Any, limit: int = 10_000) -> int:

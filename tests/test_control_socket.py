@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -20,6 +22,24 @@ from tests.streams import packed_prompt
 
 def request(op: str, number: int, **fields: Any) -> list[bytes]:
     return [b"", msgpack.packb({"op": op, "id": number, **fields})]
+
+
+@contextmanager
+def two_clients(endpoint: str, rcvhwm: int = 1000) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+    """Two DEALERs on the control socket, each its own long-lived connection; the first
+    queues at most ``rcvhwm`` replies unread (1: one unread reply stops its connection)."""
+    context = zmq.Context()
+    a, b = (context.socket(zmq.DEALER) for _ in range(2))
+    a.setsockopt(zmq.RCVHWM, rcvhwm)
+    try:
+        for sock in (a, b):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+        context.term()
 
 
 def reply_of(sock: zmq.Socket, timeout_ms: int = 10_000) -> dict[str, Any]:
@@ -36,13 +56,8 @@ def test_long_lived_clients_stay_answered_beside_sliced_stores(
     seq is new."""
     blocks = 600  # over the 512 a store may cover in one step
     daemon = start_daemon(cache={"num_blocks": 2 * blocks})
-    context = zmq.Context()
-    a, b = (context.socket(zmq.DEALER) for _ in range(2))
     rng = random.Random(7)
-    try:
-        for sock in (a, b):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(daemon.control_endpoint)
+    with two_clients(daemon.control_endpoint) as (a, b):
         markers: list[int] = []
         for i in range(60):
             tokens = packed_prompt(blocks, seed=i)
@@ -60,10 +75,6 @@ def test_long_lived_clients_stay_answered_beside_sliced_stores(
                 assert reply_of(a)["id"] == i
         assert len(markers) == 20
         assert markers == sorted(set(markers))
-    finally:
-        a.close()
-        b.close()
-        context.term()
 
 
 def test_long_lived_clients_stay_answered_beside_snapshots(start_daemon: DaemonFactory) -> None:
@@ -71,13 +82,8 @@ def test_long_lived_clients_stay_answered_beside_snapshots(start_daemon: DaemonF
     too: B's pings beside A's back-to-back snapshots are all answered."""
     blocks = 8000
     daemon = start_daemon(cache={"num_blocks": blocks})
-    context = zmq.Context()
-    a, b = (context.socket(zmq.DEALER) for _ in range(2))
     rng = random.Random(11)
-    try:
-        for sock in (a, b):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(daemon.control_endpoint)
+    with two_clients(daemon.control_endpoint) as (a, b):
         tokens = packed_prompt(blocks // 2, seed=1)
         a.send_multipart(request("store", 0, request_id="held", token_ids=tokens))
         assert reply_of(a)["ok"]
@@ -88,10 +94,6 @@ def test_long_lived_clients_stay_answered_beside_snapshots(start_daemon: DaemonF
             assert reply_of(b)["id"] == i
             snapshot = reply_of(a)
             assert snapshot["id"] == i and snapshot["ok"], snapshot
-    finally:
-        a.close()
-        b.close()
-        context.term()
 
 
 def test_a_client_that_does_not_read_gets_no_second_snapshot_queued(
@@ -106,13 +108,7 @@ def test_a_client_that_does_not_read_gets_no_second_snapshot_queued(
     blocks = 20_000  # a reply of megabytes: more than the connection's buffers hold
     daemon = start_daemon(cache={**TINY, "num_blocks": blocks + 1024})
     fill(daemon, blocks)
-    context = zmq.Context()
-    slow, other = (context.socket(zmq.DEALER) for _ in range(2))
-    try:
-        slow.setsockopt(zmq.RCVHWM, 1)  # one unread reply stops its connection's reading
-        for sock in (slow, other):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(daemon.control_endpoint)
+    with two_clients(daemon.control_endpoint, rcvhwm=1) as (slow, other):
         slow.send_multipart(request("ping", 0))
         assert slow.poll(10_000)  # its reply waits unread: the connection is full from here
         slow.send_multipart(request("snapshot", 1))
@@ -127,7 +123,3 @@ def test_a_client_that_does_not_read_gets_no_second_snapshot_queued(
         assert answers[2]["error"]["code"] == "busy"
         assert answers[1]["ok"] and answers[3]["ok"]
         assert len(answers[3]["events"]) == len(answers[1]["events"]) == blocks
-    finally:
-        slow.close()
-        other.close()
-        context.term()

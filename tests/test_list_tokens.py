@@ -15,9 +15,8 @@ import pytest
 
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.service import Service
-from kvpubd.protocol.config import Settings
 from kvpubd.protocol.int_arrays import DECODE_SLICE
-from tests.loop_turns import settled, turns_until
+from tests.loop_turns import settled, started_service, turns_until
 
 BLOCK_SIZE = 16
 TOKENS = 24 * DECODE_SLICE  # a list decoded over a couple of dozen loop turns
@@ -26,14 +25,9 @@ MAX_TOKENS = 32 * DECODE_SLICE
 
 @pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[Service]:
-    settings = Settings(
-        events={
-            "endpoint": f"ipc://{tmp_path}/ev",
-            "replay_endpoint": "",
-            "tick_interval_ms": 60_000,
-        },
+    async with started_service(
+        tmp_path,
         control={
-            "endpoint": f"ipc://{tmp_path}/ctl",
             "max_tokens_per_request": MAX_TOKENS,
             "max_blocks_per_store": MAX_TOKENS // BLOCK_SIZE,
             "max_message_bytes": 16 << 20,
@@ -45,14 +39,8 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
             "head_dim": 1,
             "dtype": "uint8",
         },
-        service={"linger_ms": 0},
-    )
-    service = Service(settings)
-    await service.startup()
-    try:
-        yield service
-    finally:
-        await service.shutdown()
+    ) as started:
+        yield started
 
 
 def send_frame(service: Service, frame: bytes) -> bytes | Pending[bytes] | Pending[memoryview]:

@@ -18,8 +18,7 @@ from kvpubd.daemon.kernels import numpy_checksum
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import CHECKSUM_SLICE_BYTES, SCRUB_SLICE_BYTES, HostPool
 from kvpubd.daemon.service import Service
-from kvpubd.protocol.config import Settings
-from tests.loop_turns import settled, turns_until
+from tests.loop_turns import settled, started_service, turns_until
 
 BLOCK_BYTES = 64 << 10  # the default cache's block (2 layers, 8 heads, 64 dims, 16 tokens)
 NUM_BLOCKS = 256  # 16 MiB: several scrub slices
@@ -28,23 +27,9 @@ BLOCK_SIZE = 16
 
 @pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[Service]:
-    settings = Settings(
-        events={
-            "endpoint": f"ipc://{tmp_path}/ev",
-            "replay_endpoint": "",
-            "tick_interval_ms": 60_000,
-        },
-        control={"endpoint": f"ipc://{tmp_path}/ctl"},
-        cache={"num_blocks": NUM_BLOCKS},
-        service={"linger_ms": 0},
-    )
-    assert settings.cache.block_bytes == BLOCK_BYTES
-    service = Service(settings)
-    await service.startup()
-    try:
-        yield service
-    finally:
-        await service.shutdown()
+    async with started_service(tmp_path, cache={"num_blocks": NUM_BLOCKS}) as started:
+        assert started.settings.cache.block_bytes == BLOCK_BYTES
+        yield started
 
 
 def send(service: Service, op: str, **fields: Any) -> bytes | Pending[bytes] | Pending[memoryview]:
