@@ -1,6 +1,6 @@
 """Interop with llm-d-router v0.10's KV-event consumer, as tests/llmd.py follows its rules,
-against a real daemon with the default ``seq_origin`` ("continue"): configured as the README's
-Routers section says (topic ``kv@<pod>@<model>``, v026 replay framing, the replay port), it
+against a real daemon with the default ``seq_origin`` ("continue"): configured as
+docs/routers.md says (topic ``kv@<pod>@<model>``, v026 replay framing, the replay port), it
 holds exactly each rank's state: live stores, evictions, reset, idle join, salted prompts,
 kill -9 and SIGTERM restarts (a new run that out-numbers the old one before the consumer
 redials included), two ranks served by two daemons."""

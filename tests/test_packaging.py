@@ -27,7 +27,7 @@ SYSUSERS = REPO / "systemd" / "kvpubd.sysusers"
 RANK_DROP_IN = REPO / "systemd" / "kvpubd-rank.conf"
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
-INSTALLED_PATH = "/opt/kvpubd/bin/kvpubd"  # where the unit and the README install it
+INSTALLED_PATH = "/opt/kvpubd/bin/kvpubd"  # where the unit and docs/operations.md install it
 
 
 def tool(name: str) -> str | None:

@@ -1,7 +1,7 @@
-"""The README's Python examples run exactly as printed, against a daemon started the way the
-quick start starts it: `kvpubd serve` with the defaults (events on tcp port 5557, replay on
-5657), its control socket in a private runtime directory (XDG_RUNTIME_DIR, which the examples'
-default `ControlClient()` follows as well)."""
+"""The Python examples of README.md and of every page in docs/ run exactly as printed, against
+a daemon started the way the quick start starts it: `kvpubd serve` with the defaults (events
+on tcp port 5557, replay on 5657), its control socket in a private runtime directory
+(XDG_RUNTIME_DIR, which the examples' default `ControlClient()` follows as well)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,16 @@ import pytest
 from kvpubd.client import ControlClient, ControlTimeout
 from tests.daemon import wait_for
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-EXAMPLES = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+REPO = Path(__file__).resolve().parent.parent
+# README first, then the docs pages by name: the order the examples run in.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+EXAMPLES = [
+    (f"{page.relative_to(REPO)}:{number}", code)
+    for page in PAGES
+    for number, code in enumerate(
+        re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+    )
+]
 # The default ports are machine-wide: runs of this test in other checkouts take turns.
 LOCK = Path("/tmp/kvpubd-readme-examples.lock")
 
@@ -59,15 +67,16 @@ def quick_start_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
 
 
 def test_readme_has_the_examples() -> None:
-    """Control, Subscriber, AsyncSubscriber and map_pool each have a runnable example."""
-    text = "\n".join(EXAMPLES)
+    """Control, Subscriber, AsyncSubscriber and map_pool each have a runnable example, and the
+    README one of its own (the engine's side)."""
+    assert any(name.startswith("README.md:") for name, _ in EXAMPLES)
+    text = "\n".join(code for _, code in EXAMPLES)
     for name in ("ControlClient(", "Subscriber(", "AsyncSubscriber(", "map_pool(", ".batch."):
         assert name in text, name
 
 
-@pytest.mark.parametrize("index", range(len(EXAMPLES)))
-def test_readme_example_runs(quick_start_env: dict[str, str], index: int) -> None:
-    code = EXAMPLES[index]
+@pytest.mark.parametrize(("name", "code"), EXAMPLES, ids=[name for name, _ in EXAMPLES])
+def test_readme_example_runs(quick_start_env: dict[str, str], name: str, code: str) -> None:
     result = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -75,6 +84,6 @@ def test_readme_example_runs(quick_start_env: dict[str, str], index: int) -> Non
         timeout=60,
         env=quick_start_env,
     )
-    assert result.returncode == 0, f"example {index}:\n{code}\n{result.stderr}"
-    assert result.stdout.strip(), f"example {index} printed nothing"
-    print(result.stdout)  # shown with -s: what a reader of the README would see
+    assert result.returncode == 0, f"example {name}:\n{code}\n{result.stderr}"
+    assert result.stdout.strip(), f"example {name} printed nothing"
+    print(result.stdout)  # shown with -s: what a reader of the page would see

@@ -1,4 +1,4 @@
-"""The reset contract (README "Reset"), against a real daemon: one marker per reset, in
+"""The reset contract (docs/architecture.md), against a real daemon: one marker per reset, in
 order after everything captured before it, on the wire before the reply (even while paused,
 even with the capture cap exhausted), kept by replay, per rank, refused while blocks are
 pinned unless forced.
