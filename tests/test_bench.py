@@ -13,6 +13,9 @@ import pytest
 
 from kvpubd.tools.vllm_peer import kv_events_path
 
+# Benchmarks run their own daemons: processes.
+pytestmark = pytest.mark.process
+
 
 def bench(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     result = subprocess.run(

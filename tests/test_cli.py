@@ -19,6 +19,9 @@ from kvpubd.protocol.wire import AllBlocksCleared, BlockStored
 from tests.daemon import Daemon
 from tests.streams import chain_hashes
 
+# The command line, run as users run it: processes.
+pytestmark = pytest.mark.process
+
 BLOCK_SIZE = 16
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
 

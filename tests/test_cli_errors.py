@@ -17,6 +17,9 @@ from kvpubd.client import Subscriber
 from tests.daemon import Daemon, wait_for
 from tests.test_cli import ENV, kvpubd, kvpubd_all
 
+# Exit statuses and one-line errors of the command line: processes.
+pytestmark = pytest.mark.process
+
 BLOCK_SIZE = 16
 
 

@@ -151,6 +151,7 @@ BAD_FILES: dict[str, tuple[str, str]] = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", list(BAD_FILES))
 def test_bad_file_exits_2_with_one_line_naming_the_key(tmp_path: Path, case: str) -> None:
     """A config file with an unknown key, a wrong type, a bad enum or range, or overlapping
@@ -166,6 +167,7 @@ def test_bad_file_exits_2_with_one_line_naming_the_key(tmp_path: Path, case: str
     assert_nothing_bound(tmp_path)
 
 
+@pytest.mark.process
 def test_missing_file_exits_2_naming_it(tmp_path: Path) -> None:
     """A config path that does not exist: status 2, one line naming the path."""
     missing = tmp_path / "bad.toml"
@@ -173,6 +175,7 @@ def test_missing_file_exits_2_naming_it(tmp_path: Path) -> None:
     assert list((tmp_path / "runtime").iterdir()) == []
 
 
+@pytest.mark.process
 def test_invalid_toml_exits_2_naming_the_file(tmp_path: Path) -> None:
     """A file that is not TOML: status 2, one line naming the file."""
     config = tmp_path / "bad.toml"
@@ -181,6 +184,7 @@ def test_invalid_toml_exits_2_naming_the_file(tmp_path: Path) -> None:
     assert_nothing_bound(tmp_path)
 
 
+@pytest.mark.process
 def test_config_that_is_not_utf8_exits_2_naming_the_file(tmp_path: Path) -> None:
     """TOML is UTF-8: a file in another encoding stops ``serve`` with one line, no traceback."""
     config = tmp_path / "bad.toml"
@@ -190,6 +194,7 @@ def test_config_that_is_not_utf8_exits_2_naming_the_file(tmp_path: Path) -> None
     assert_nothing_bound(tmp_path)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("variable", "value", "key"),
     [
@@ -259,6 +264,7 @@ def test_env_overrides_one_key_and_the_file_keeps_the_rest(
     assert (settings.events.topic, settings.cache.block_size) == ("from-file", 8)
 
 
+@pytest.mark.process
 def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     """A real ``serve``: KVPUBD_EVENTS__TOPIC sets the topic frame while the file's endpoints
     in the same section are still the ones bound."""
@@ -318,6 +324,7 @@ def test_log_level_in_any_case_in_file_env_and_flag(monkeypatch: pytest.MonkeyPa
             log_level_option(bad)
 
 
+@pytest.mark.process
 def test_unknown_variables_are_warned_about_and_overrides_logged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

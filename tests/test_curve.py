@@ -18,6 +18,9 @@ from tests.daemon import Daemon, wait_for
 from tests.streams import prompt
 from tests.test_cli import ENV, kvpubd_all
 
+# CURVE through the command line and real daemons: processes.
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def keys(tmp_path: Path) -> dict[str, Path]:

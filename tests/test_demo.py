@@ -27,6 +27,7 @@ def kvpubd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 def test_demo_completes_with_exit_0_and_a_summary() -> None:
     result = kvpubd("demo", "--duration", "3", "--rate", "150")
     out = result.stdout
@@ -38,6 +39,7 @@ def test_demo_completes_with_exit_0_and_a_summary() -> None:
     assert "the cache rebuilt from events equals the daemon's snapshot" in out
 
 
+@pytest.mark.process
 def test_loadgen_drives_a_running_daemon(daemon: Daemon) -> None:
     result = kvpubd(
         "loadgen",
@@ -64,6 +66,7 @@ def test_loadgen_drives_a_running_daemon(daemon: Daemon) -> None:
     assert rank.requests_open == 0 and rank.blocks_pinned == 0  # all released
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -81,6 +84,7 @@ def test_bad_options_exit_2_with_one_line(args: list[str], message: str) -> None
     assert message in result.stderr
 
 
+@pytest.mark.process
 def test_loadgen_without_a_daemon_says_so(tmp_path: Path) -> None:
     result = kvpubd(
         "loadgen", "--control", f"ipc://{tmp_path}/none", "--timeout", "0.3", "--duration", "1"

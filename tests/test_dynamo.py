@@ -30,6 +30,7 @@ from tests.mirrors import snapshot_blocks, store_released, unique_prompt
 
 pytestmark = [
     pytest.mark.dynamo,
+    pytest.mark.process,  # the daemons Dynamo's indexer follows are processes
     pytest.mark.skipif(
         importlib.util.find_spec("dynamo") is None,
         reason="Dynamo's indexer is not installed (pip install 'kvpubd[interop]')",

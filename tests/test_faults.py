@@ -176,6 +176,7 @@ def test_history_gone_is_rebuilt_by_the_replay_snapshot_batch(
     assert (counters.lost, counters.restarts, counters.violations) == (0, 0, 0)
 
 
+@pytest.mark.process
 def test_lost_history_replays_finish_under_steady_load(start_daemon: DaemonFactory) -> None:
     """Replays of lost history while stores go on, with a ring of 2 batches: each snapshot
     batch takes many ticks to put together, and the ring keeps what follows it meanwhile, so
@@ -214,6 +215,7 @@ def concurrent_batches(endpoint: str, clients: int) -> list[list[tuple[int, byte
         return list(pool.map(lambda _: replay(endpoint, 0, timeout=30), range(clients)))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("form", FORMS)
 def test_kill9_and_restart_under_load(start_daemon: DaemonFactory, form: str) -> None:
     """kill -9 while a load runs on rank 0, then a new daemon on the same endpoints: the
@@ -266,6 +268,7 @@ def test_kill9_and_restart_under_load(start_daemon: DaemonFactory, form: str) ->
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("origin", ["clock", "zero"])
 def test_kill9_and_restart_detected_without_control(
     start_daemon: DaemonFactory, origin: str
@@ -309,6 +312,7 @@ def test_kill9_and_restart_detected_without_control(
         assert (counters.restarts, counters.resyncs) == (0, 1)
 
 
+@pytest.mark.process
 def test_sigterm_under_load_delivers_everything_captured(start_daemon: DaemonFactory) -> None:
     """SIGTERM while a load runs: the daemon exits 0 and every store it acknowledged (so
     captured before it stopped taking requests) reaches the subscriber, on gap-free seqs."""
@@ -460,6 +464,7 @@ def soak(start_daemon: DaemonFactory, seconds: float, seed: int) -> None:
             sub.close()
 
 
+@pytest.mark.slow
 def test_soak_ci(start_daemon: DaemonFactory) -> None:
     """The soak, CI-sized (about 12 s of load)."""
     soak(start_daemon, seconds=12.0, seed=4)
@@ -468,7 +473,7 @@ def test_soak_ci(start_daemon: DaemonFactory) -> None:
 LONG_SOAK_SECONDS = float(os.environ.get("KVPUBD_SOAK_SECONDS", "300"))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(LONG_SOAK_SECONDS + 120)
 def test_soak_long(start_daemon: DaemonFactory) -> None:
     """The soak for minutes (KVPUBD_SOAK_SECONDS, default 300)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from kvpubd.protocol.endpoints import rank_endpoint, tcp_port
 from kvpubd.tools.launcher import free_tcp_port_runs
 from tests.daemon import Daemon
@@ -28,6 +30,7 @@ def test_port_runs_are_free_and_disjoint() -> None:
             sock.close()
 
 
+@pytest.mark.process
 def test_a_taken_port_gets_fresh_ones_on_first_start() -> None:
     daemon = Daemon({"cache": {"data_parallel_size": 2}}, transport="tcp")
     taken_endpoint = rank_endpoint(daemon.events_endpoint, 1)

@@ -59,6 +59,7 @@ def loaded_by(code: str) -> set[str]:
 HEAVY = ("kvpubd.client", "kvpubd.tools", "rich", "kvpubd.daemon", "numpy", "zmq", "pydantic")
 
 
+@pytest.mark.process
 def test_importing_the_command_line_loads_nothing_heavy() -> None:
     """`import kvpubd.cli` (what every command pays) loads no client, daemon, tools, rich,
     NumPy, ZeroMQ or pydantic: each command imports what it runs."""
@@ -66,6 +67,7 @@ def test_importing_the_command_line_loads_nothing_heavy() -> None:
     assert sorted(m for m in loaded if m.startswith(HEAVY)) == []
 
 
+@pytest.mark.process
 def test_serve_loads_neither_client_nor_tools_nor_rich(tmp_path: Path) -> None:
     """Everything `kvpubd serve` imports (it stops at the missing config file, after its
     imports) leaves the client library, the tools and rich alone."""

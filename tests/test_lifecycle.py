@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 
 from kvpubd.client import ControlClient
@@ -109,6 +110,7 @@ async def test_a_dead_background_task_stops_the_daemon(tmp_path: Path) -> None:
         raise AssertionError("serve() returned normally after its drain loop died")
 
 
+@pytest.mark.process
 def test_a_dead_background_task_exits_the_process_non_zero(tmp_path: Path) -> None:
     """The same fault in a real ``kvpubd serve`` process: logged, exit status 1."""
     config = tmp_path / "kvpubd.toml"
@@ -140,6 +142,7 @@ def test_a_dead_background_task_exits_the_process_non_zero(tmp_path: Path) -> No
     assert "injected drain failure" in result.stderr
 
 
+@pytest.mark.process
 def test_shutdown_delivers_queued_batches_to_a_slow_tcp_subscriber() -> None:
     """Batches still queued for a subscriber that reads slowly reach it after SIGTERM: the
     PUB socket lingers (service.linger_ms) instead of dropping them."""

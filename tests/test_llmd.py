@@ -22,6 +22,9 @@ from tests.daemon import Daemon, wait_for
 from tests.llmd import LlmdIndex, LlmdSubscriber, Timings, _hash
 from tests.mirrors import snapshot_blocks, store_released, unique_prompt
 
+# Restarts by kill -9 and SIGTERM: processes.
+pytestmark = pytest.mark.process
+
 MODEL = "m"
 # llm-d's timings, shrunk: 5 s redial, 30 s cooldown, 2 s replay idle timeout.
 FAST = Timings(retry_interval=0.2, replay_cooldown=60.0, replay_idle_timeout=1.0)

@@ -15,6 +15,9 @@ from kvpubd.tools.launcher import free_tcp_ports
 from tests.daemon import Daemon, wait_for, write_config
 from tests.streams import prompt
 
+# The daemon's own log lines and journal priorities: a process.
+pytestmark = pytest.mark.process
+
 StartDaemon = Callable[..., Daemon]
 
 

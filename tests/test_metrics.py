@@ -246,6 +246,7 @@ def serve(config: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 def test_metrics_port_in_use_exits_1_naming_it(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -267,6 +268,7 @@ def test_metrics_port_in_use_exits_1_naming_it(tmp_path: Path) -> None:
     assert not (tmp_path / "ctl").exists()  # nothing left behind
 
 
+@pytest.mark.process
 def test_metrics_port_inside_the_event_ports_is_a_config_error(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     write_config(
@@ -285,6 +287,7 @@ def test_metrics_port_inside_the_event_ports_is_a_config_error(tmp_path: Path) -
     )
 
 
+@pytest.mark.process
 def test_metrics_are_off_by_default(daemon: Daemon) -> None:
     assert Settings().metrics.port == 0
     wait_for(lambda: "ready:" in daemon.log(), what="the ready line")

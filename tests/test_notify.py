@@ -90,6 +90,7 @@ def start_serve(daemon: Daemon, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return daemon.proc
 
 
+@pytest.mark.process
 def test_ready_watchdog_stopping_in_order(fake_systemd: FakeSystemd) -> None:
     """READY=1 once every socket is bound and the startup marker (the run's first seq) is
     published, then WATCHDOG=1 from the loop every WATCHDOG_USEC / 2, then STOPPING=1 on

@@ -16,6 +16,9 @@ from kvpubd.client import ControlError
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 
+# Clients that die: processes.
+pytestmark = pytest.mark.process
+
 BLOCK_SIZE = 16
 GRACE_MS = 200
 

@@ -78,6 +78,7 @@ def test_unit_runs_the_daemon_as_a_notify_service(monkeypatch: pytest.MonkeyPatc
     assert load_settings(REPO / "config" / "kvpubd.toml").control.endpoint == endpoint
 
 
+@pytest.mark.process
 @pytest.mark.skipif(tool("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_passes(tmp_path: Path) -> None:
     """The unit as shipped, its ExecStart pointed at this installation's kvpubd (verify checks
@@ -122,6 +123,7 @@ def test_rank_drop_in_gives_each_instance_its_rank_and_its_own_files() -> None:
         assert not fnmatch.fnmatch(theirs, pattern.replace("%i", str(rank)))
 
 
+@pytest.mark.process
 @pytest.mark.skipif(tool("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_analyze_verify_passes_for_a_rank_instance(tmp_path: Path) -> None:
     """The unit installed as the template kvpubd@.service with the rank drop-in: instance 3
@@ -244,6 +246,7 @@ def test_hadolint_reports_nothing() -> None:
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
+@pytest.mark.process
 def test_the_build_stage_builds_a_wheel_from_the_copied_files(tmp_path: Path) -> None:
     """What the build stage does, here: copy exactly its COPY sources, `pip wheel` them; the
     wheel holds the package, its CUDA kernels and its PEP 561 marker (without it mypy sees
@@ -276,6 +279,7 @@ def test_the_build_stage_builds_a_wheel_from_the_copied_files(tmp_path: Path) ->
     } <= names
 
 
+@pytest.mark.process
 def test_the_cli_reads_the_control_endpoint_the_service_sets(daemon: Daemon) -> None:
     """The unit and the image set KVPUBD_CONTROL__ENDPOINT; `kvpubd ping` (the HEALTHCHECK,
     an operator's shell) finds the daemon through it without --control."""

@@ -110,6 +110,7 @@ def shm_path(name: str) -> Path:
     return Path("/dev/shm") / name.lstrip("/")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_segment_is_owner_only_and_removed_on_stop(start_daemon: DaemonFactory, sig: int) -> None:
     daemon = start_daemon()
@@ -122,6 +123,7 @@ def test_segment_is_owner_only_and_removed_on_stop(start_daemon: DaemonFactory, 
     assert not path.exists()
 
 
+@pytest.mark.process
 def test_segment_is_removed_after_kill(start_daemon: DaemonFactory) -> None:
     """Even SIGKILL leaves no segment: the resource tracker unlinks what the daemon held."""
     daemon = start_daemon()
@@ -132,6 +134,7 @@ def test_segment_is_removed_after_kill(start_daemon: DaemonFactory) -> None:
     wait_for(lambda: not path.exists(), timeout=20, what="the segment to be unlinked")
 
 
+@pytest.mark.process
 def test_mapping_client_exit_does_not_unlink_the_segment(daemon: Any) -> None:
     """A client that maps and unmaps the pool leaves the daemon's segment in place."""
     import subprocess
@@ -164,6 +167,7 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.process
 def test_restart_replaces_a_segment_left_by_a_killed_process_group(
     start_daemon: DaemonFactory,
 ) -> None:
@@ -187,6 +191,7 @@ def test_restart_replaces_a_segment_left_by_a_killed_process_group(
     assert not path.exists()
 
 
+@pytest.mark.process
 def test_an_empty_stale_segment_of_ours_is_replaced() -> None:
     """A segment of ours left empty (a run killed while creating it) under the pool's name:
     the start replaces it (mapping it would fail) and the pool keeps its name."""
@@ -206,6 +211,7 @@ def test_an_empty_stale_segment_of_ours_is_replaced() -> None:
         shm_path(pool_segment_name(daemon.control_endpoint, 0)).unlink(missing_ok=True)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 def test_another_users_segment_under_the_pools_name_does_not_stop_the_start() -> None:
     """Segment names are predictable and /dev/shm is shared: another user who takes the name

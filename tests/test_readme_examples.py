@@ -75,6 +75,7 @@ def test_readme_has_the_examples() -> None:
         assert name in text, name
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("name", "code"), EXAMPLES, ids=[name for name, _ in EXAMPLES])
 def test_readme_example_runs(quick_start_env: dict[str, str], name: str, code: str) -> None:
     result = subprocess.run(

@@ -32,6 +32,7 @@ def test_config_larger_than_the_bound_is_refused(tmp_path: Path) -> None:
         load_settings(big)
 
 
+@pytest.mark.process
 def test_serve_with_config_dev_zero_exits_2_with_one_line() -> None:
     result = kvpubd("serve", "--config", "/dev/zero", timeout=20)
     assert_one_line(result, 2, "/dev/zero", "not a regular file")

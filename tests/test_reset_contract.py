@@ -548,6 +548,7 @@ def test_reset_while_blocks_are_pinned_is_busy_unless_forced(start_daemon: Start
 # -- CLI ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_cli_reset_prints_each_rank_marker_seq(start_daemon: StartDaemon) -> None:
     """`python -m kvpubd reset --control <endpoint>` exits 0 and prints, per rank, the seq of
     the marker that rank's subscriber then receives."""

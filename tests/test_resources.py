@@ -62,6 +62,7 @@ def stop_alive(daemon: Daemon) -> None:
         daemon.cleanup()
 
 
+@pytest.mark.process
 def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
     many_fds: None,
 ) -> None:
@@ -124,6 +125,7 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
         stop_alive(daemon)
 
 
+@pytest.mark.process
 def test_ipc_connection_flood_is_held_to_the_cap_and_the_daemon_lives(many_fds: None) -> None:
     """Connections to the ipc control socket of a daemon limited to 256 fds, none of them ever
     greeting (a client leaking connections, or a hostile one of the same user). libzmq
@@ -183,6 +185,7 @@ def one_error_line(stderr: str) -> str:
     return errors[0]
 
 
+@pytest.mark.process
 def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> None:
     """Before: the daemon logged `ready` and died of SIGBUS under load. Now: exit 2, one line."""
     stats = os.statvfs("/dev/shm")
@@ -229,6 +232,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.process
 def test_pages_are_reserved_or_refused_on_a_small_tmpfs(small_tmpfs: Path) -> None:
     """The start-up check and the reservation against a real 4 MiB tmpfs: what fits is
     allocated at once (no page left to fail on first touch), what does not is refused."""
@@ -250,6 +254,7 @@ def test_pages_are_reserved_or_refused_on_a_small_tmpfs(small_tmpfs: Path) -> No
         os.close(fd)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
 def test_daemon_in_a_small_dev_shm_exits_2(tmp_path: Path) -> None:
     """A real daemon whose /dev/shm is a 64 MiB tmpfs (Docker's default), with a 256 MiB pool
@@ -274,6 +279,7 @@ def test_daemon_in_a_small_dev_shm_exits_2(tmp_path: Path) -> None:
     assert "does not fit in /dev/shm" in error and "64.0 MiB free of 64.0 MiB" in error
 
 
+@pytest.mark.process
 def test_a_dead_runs_segment_does_not_count_against_the_new_pool(tmp_path: Path) -> None:
     """A run killed with its resource tracker leaves its pool segment in a 64 MiB /dev/shm;
     the next start on the same config replaces it. The space check once ran before the
@@ -302,6 +308,7 @@ def test_a_dead_runs_segment_does_not_count_against_the_new_pool(tmp_path: Path)
     assert "ready:" in result.stderr and "stopped" in result.stderr, result.stderr
 
 
+@pytest.mark.process
 def test_an_fd_limit_too_low_to_serve_is_refused_at_start(tmp_path: Path) -> None:
     """At 64 fds the reserve left the listeners nothing: the daemon started, and a hundred
     local subscribers later libzmq aborted it. Now it does not start: one line, exit 1,
@@ -321,6 +328,7 @@ def test_an_fd_limit_too_low_to_serve_is_refused_at_start(tmp_path: Path) -> Non
     assert [p.name for p in tmp_path.iterdir() if p.is_socket()] == []
 
 
+@pytest.mark.process
 def test_a_cache_larger_than_memory_is_refused_before_it_is_allocated(tmp_path: Path) -> None:
     """Blocks whose index would need twice the memory available: exit 2 naming the sizes,
     before anything is allocated (the index's lists were a MemoryError traceback, or with

@@ -27,6 +27,9 @@ from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 from tests.mirrors import Record, pump, snapshot_blocks, store_released, unique_prompt
 
+# Restarts by kill -9 and SIGTERM: processes.
+pytestmark = pytest.mark.process
+
 HEARTBEAT_MS = 200
 
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpubd.daemon.seq_state import FILE_SIZE, MAGIC, state_path
 from kvpubd.protocol.config import rank_endpoint
 from kvpubd.protocol.wire import MAX_SEQ
@@ -19,6 +21,9 @@ from kvpubd.tools.launcher import free_tcp_ports
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, write_config
 from tests.mirrors import store_released, unique_prompt
+
+# Runs that end by a signal or kill -9, and the state file they leave: processes.
+pytestmark = pytest.mark.process
 
 
 def state_file(daemon: Daemon, rank: int = 0) -> Path:

@@ -16,6 +16,9 @@ from kvpubd.protocol.wire import BlockStored
 from tests.daemon import Daemon
 from tests.streams import chain_hashes
 
+# Exit statuses on signals: a process.
+pytestmark = pytest.mark.process
+
 BLOCK_SIZE = 16
 
 

@@ -24,6 +24,9 @@ from kvpubd.tools.launcher import free_tcp_ports
 from tests.daemon import Daemon, wait_for, write_config
 from tests.streams import prompt
 
+# A second daemon beside a first: processes.
+pytestmark = pytest.mark.process
+
 
 def serve(config: Path, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

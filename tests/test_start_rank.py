@@ -18,6 +18,9 @@ from kvpubd.protocol.wire import AllBlocksCleared, BlockStored
 from tests.daemon import Daemon, wait_for
 from tests.streams import chain_hashes, prompt
 
+# Daemons per rank, started as an operator would: processes.
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def rank_daemons() -> Iterator[list[Daemon]]:

@@ -579,6 +579,7 @@ def history_beyond_the_buffer(daemon: Daemon) -> int:
     return seq
 
 
+@pytest.mark.process
 def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFactory) -> None:
     """`subscribe --control` against a daemon whose history is gone reports the resync on
     stderr, then prints what follows the snapshot's seq (a daemon whose replay does not answer
@@ -622,6 +623,7 @@ def test_cli_subscribe_with_control_resyncs_and_says_so(start_daemon: DaemonFact
     assert line["seq"] == last + 1 and line["type"] == "BlockStored"
 
 
+@pytest.mark.process
 def test_cli_subscribe_without_control_reports_the_loss(start_daemon: DaemonFactory) -> None:
     """Without --control the same hole is reported as lost, and the retained batches print."""
     daemon = start_daemon(events={"buffer_steps": 4, "replay_snapshot": False})
@@ -634,6 +636,7 @@ def test_cli_subscribe_without_control_reports_the_loss(start_daemon: DaemonFact
     assert printed == list(range(last - 3, last + 1))
 
 
+@pytest.mark.process
 def test_cli_subscribe_late_join_prints_the_whole_cache(start_daemon: DaemonFactory) -> None:
     """Joining after the buffer wrapped, without --control: the replay's snapshot batch (seq
     of the last batch) prints the marker and every cached block; nothing is reported lost."""
@@ -650,6 +653,7 @@ def test_cli_subscribe_late_join_prints_the_whole_cache(start_daemon: DaemonFact
     assert all(line["type"] == "BlockStored" for line in lines[1:])
 
 
+@pytest.mark.process
 def test_cli_subscribe_help_names_control() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kvpubd", "subscribe", "--help"],

@@ -20,6 +20,9 @@ from kvpubd.protocol.config import load_settings
 from tests.daemon import Daemon, wait_for
 from tests.test_cli import ENV
 
+# Tools and their daemons, signalled: processes.
+pytestmark = pytest.mark.process
+
 
 @dataclass
 class ChildDaemon:

@@ -124,6 +124,7 @@ def fresh() -> Iterator[Daemon]:
     daemon.cleanup()
 
 
+@pytest.mark.process
 def test_serve_takes_the_json_over_the_file_and_says_so(fresh: Daemon) -> None:
     """The JSON's topic and buffer_steps beat the --config file's; the file's endpoints (not
     named in the JSON) stay; one log line says what was mapped and what was ignored."""
@@ -140,12 +141,14 @@ def test_serve_takes_the_json_over_the_file_and_says_so(fresh: Daemon) -> None:
     assert "events.topic = 'kv@p@m'" in mapped[0] and "max_queue_size" in mapped[0]
 
 
+@pytest.mark.process
 def test_environment_beats_the_json(fresh: Daemon) -> None:
     serve(fresh, json.dumps({"topic": "json-topic"}), {**ENV, "KVPUBD_EVENTS__TOPIC": "env-topic"})
     with fresh.subscriber(topic="env-topic") as sub:
         assert sub.catch_up()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("config", "says"),
     [
