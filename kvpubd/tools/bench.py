@@ -652,7 +652,7 @@ def bench_kernels(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
-    """GB/s of the GPU scrub, copy and checksum kernels beside CuPy's own operations and the
+    """GB/s of the GPU scrub and checksum kernels beside CuPy's own operations and the
     device's measured bandwidth (needs CuPy and a GPU)."""
     from kvpubd.daemon.kernels import gpu_available
     from kvpubd.tools import bench_kernels as kb
