@@ -36,7 +36,7 @@ def test_bench_reset_reports_every_size_the_baseline_and_the_floor() -> None:
 
 
 def test_bench_reset_warns_of_a_small_sample_only_when_it_is_one() -> None:
-    from kvpubd.tools.bench import MIN_RESETS
+    from kvpubd.tools.bench_reset import MIN_RESETS
 
     def stderr_of(resets: int) -> str:
         result = subprocess.run(

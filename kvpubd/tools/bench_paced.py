@@ -11,6 +11,9 @@ import msgpack
 import zmq
 
 from kvpubd.interrupts import ctrl_c_kept_from_children
+from kvpubd.tools.bench_probe import TINY_BLOCKS, ResetProbe
+from kvpubd.tools.bench_prompts import make_prompts
+from kvpubd.tools.bench_report import summary
 from kvpubd.tools.launcher import DaemonProcess
 
 LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
@@ -19,8 +22,6 @@ LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
 def _paced_load(control_endpoint: str, rate: float, seconds: float, stop: Any) -> None:
     """Send store + release pairs at ``rate`` stores/s until ``seconds`` pass or ``stop``
     says so; refusals (a forced reset drops open requests) are simply counted."""
-    from kvpubd.tools.bench import make_prompts
-
     prompts = make_prompts(500, seed=7)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -47,7 +48,7 @@ def _paced_load(control_endpoint: str, rate: float, seconds: float, stop: Any) -
     ctx.term()
 
 
-def _time_reset(probe: Any) -> tuple[int, int]:
+def _time_reset(probe: ResetProbe) -> tuple[int, int]:
     """Like ResetProbe.time_reset, but skips the store batches in between by a byte search
     instead of decoding each (under load the SUB carries megabytes of them)."""
     start = time.perf_counter_ns()
@@ -66,8 +67,6 @@ def measure_resets_under_load(
 ) -> dict[str, Any]:
     """reset -> marker received, ``resets`` times, while a paced client stores at
     ``fraction`` x ``capacity_rps``."""
-    from kvpubd.tools.bench import TINY_BLOCKS, ResetProbe, summary
-
     overrides: dict[str, dict[str, Any]] = {
         "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
         "events": {"buffer_steps": 1000},
