@@ -137,9 +137,7 @@ def run_soak(
         metrics_port=int(daemon.settings["metrics"]["port"]),
         flood_processes=1,
     )
-    control = LoadControl(
-        ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue()
-    )
+    control = LoadControl.shared(ctx)
     loads = [ctx.Process(target=LOADS[name], args=(control, spec), daemon=True) for name in names]
     commands, follower_end = ctx.Pipe()
     endpoints = {

@@ -5,7 +5,6 @@ snapshots, a replay flood, and clients that go away or die holding stores."""
 
 from __future__ import annotations
 
-import itertools
 import random
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvpubd.tools.bench_load import POLL_MS, LoadControl, LoadSpec, _request_loop
+from kvpubd.tools.bench_load import LoadControl, LoadSpec, request_loop, rounds, send_request
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 40_000  # per rank
@@ -44,7 +43,7 @@ def big_stores(control: LoadControl, spec: LoadSpec) -> None:
             {"op": "release", "request_id": rid},
         ]
 
-    _request_loop(
+    request_loop(
         control, spec.control_endpoint, requests, "big-stores", reply_timeout=60, tolerated=CLOSED
     )
 
@@ -60,7 +59,7 @@ def cached_stores(control: LoadControl, spec: LoadSpec) -> None:
             {"op": "release", "request_id": rid},
         ]
 
-    _request_loop(
+    request_loop(
         control,
         spec.control_endpoint,
         requests,
@@ -72,48 +71,30 @@ def cached_stores(control: LoadControl, spec: LoadSpec) -> None:
 
 def small_stores(control: LoadControl, spec: LoadSpec) -> None:
     """Rounds of SMALL_STORES one-block stores sent back to back, then their releases."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(spec.control_endpoint)
     rng = np.random.default_rng(3)
-    rounds = failures = 0
-    control.set_ready()
-    try:
-        for n in itertools.count():
-            if not control.go.wait(POLL_MS / 1000):
-                if control.stop.is_set():
-                    return
-                continue
-            if control.stop.is_set():
-                return
-            ids = [f"small-{n}-{i}" for i in range(SMALL_STORES)]
-            for rid in ids:
-                store = {"op": "store", "rank": 0, "request_id": rid, "token_ids": _tokens(rng, 1)}
-                sock.send_multipart([b"", _pack(store)])
-            for rid in ids:
-                sock.send_multipart([b"", _pack({"op": "release", "request_id": rid})])
-            with control.ops.get_lock():
-                control.ops.value += 1
-            answered = 0
-            deadline = time.monotonic() + 60
-            while answered < 2 * len(ids) and time.monotonic() < deadline:
-                if control.stop.is_set():
-                    return
-                if sock.poll(POLL_MS):
-                    sock.recv_multipart()
-                    answered += 1
-            failures += answered < 2 * len(ids)
-            rounds += 1
-    finally:
-        sock.close()
-        ctx.term()
-        control.results.put({"load": "small-stores", "rounds": rounds, "failures": failures})
+
+    def requests(n: int) -> list[dict[str, Any]]:
+        ids = [f"small-{n}-{i}" for i in range(SMALL_STORES)]
+        stores = [
+            {"op": "store", "rank": 0, "request_id": rid, "token_ids": _tokens(rng, 1)}
+            for rid in ids
+        ]
+        return [*stores, *({"op": "release", "request_id": rid} for rid in ids)]
+
+    request_loop(
+        control,
+        spec.control_endpoint,
+        requests,
+        "small-stores",
+        reply_timeout=60,
+        tolerated=CLOSED,
+        pipelined=True,
+    )
 
 
 def checksums(control: LoadControl, spec: LoadSpec) -> None:
     ids = list(range(NUM_BLOCKS))
-    _request_loop(
+    request_loop(
         control,
         spec.control_endpoint,
         lambda n: [{"op": "checksum", "rank": LOAD_RANK, "block_ids": ids}],
@@ -123,7 +104,7 @@ def checksums(control: LoadControl, spec: LoadSpec) -> None:
 
 
 def snapshots(control: LoadControl, spec: LoadSpec) -> None:
-    _request_loop(
+    request_loop(
         control,
         spec.control_endpoint,
         lambda n: [{"op": "snapshot", "rank": LOAD_RANK}],
@@ -157,11 +138,7 @@ def dying_clients(control: LoadControl, spec: LoadSpec) -> None:
     killed = 0
     control.set_ready()
     try:
-        for n in itertools.count():
-            if control.stop.is_set():
-                return
-            if not control.go.wait(POLL_MS / 1000):
-                continue
+        for n in rounds(control):
             child = subprocess.Popen(
                 [sys.executable, "-c", _HOLDER, spec.control_endpoint, f"dies-{n}", str(n * 64)],
                 stdin=subprocess.PIPE,
@@ -188,14 +165,10 @@ def vanishing_clients(control: LoadControl, spec: LoadSpec) -> None:
     host's other processes for milliseconds)."""
     rng = random.Random(5)
     ctx = zmq.Context()
-    rounds = failures = 0
+    vanished = failures = 0
     control.set_ready()
     try:
-        for n in itertools.count():
-            if control.stop.is_set():
-                return
-            if not control.go.wait(POLL_MS / 1000):
-                continue
+        for n in rounds(control):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(spec.control_endpoint)
@@ -207,23 +180,17 @@ def vanishing_clients(control: LoadControl, spec: LoadSpec) -> None:
                     "request_id": f"vanish-{n}-{i}",
                     "token_ids": _tokens(np.random.default_rng((n, i)), 4),
                 }
-                sock.send_multipart([b"", _pack(store)])
+                send_request(sock, store)
             answered = sum(1 for _ in range(2) if sock.poll(30_000) and sock.recv_multipart())
             failures += answered < 2
             sock.close()  # gone, holding both
             with control.ops.get_lock():
                 control.ops.value += 1
-            rounds += 1
+            vanished += 1
             time.sleep(ORPHAN_GRACE_S + rng.uniform(0.1, 0.4))
     finally:
         ctx.term()
-        control.results.put({"load": "vanishing-clients", "rounds": rounds, "failures": failures})
-
-
-def _pack(request: dict[str, Any]) -> bytes:
-    import msgpack
-
-    return msgpack.packb(request, use_bin_type=True)
+        control.results.put({"load": "vanishing-clients", "rounds": vanished, "failures": failures})
 
 
 LOADS = {
