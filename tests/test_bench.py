@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvpubd.tools.vllm_peer import kv_events_path
+from kvpubd.tools.vllm_source import kv_events_path
 
 # Each test runs a benchmark command end to end: seconds each, minutes together.
 pytestmark = pytest.mark.bench

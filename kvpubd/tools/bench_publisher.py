@@ -183,12 +183,12 @@ def bench_publisher(
 
 
 def _bench_against_vllm(batches: int, rounds: int, decoders: int, as_json: bool) -> None:
-    from kvpubd.tools import vllm_peer
+    from kvpubd.tools import vllm_peer, vllm_source
 
-    path = vllm_peer.kv_events_path()
+    path = vllm_source.kv_events_path()
     if not path.is_file():
         reason = (
-            f"vLLM's kv_events.py not found at {path}: set {vllm_peer.ENV_VAR} or run "
+            f"vLLM's kv_events.py not found at {path}: set {vllm_source.ENV_VAR} or run "
             "`kvpubd bench vllm-extract WHEEL`; comparison skipped"
         )
         err.print(f"kvpubd: {reason}")
@@ -235,11 +235,11 @@ def bench_vllm_extract(
     """Copy vllm/distributed/kv_events.py out of a vLLM wheel to where --against-vllm looks."""
     from pathlib import Path
 
-    from kvpubd.tools import vllm_peer
+    from kvpubd.tools import vllm_source
 
     try:
-        dest = vllm_peer.extract_from_wheel(Path(wheel), vllm_peer.kv_events_path())
+        dest = vllm_source.extract_from_wheel(Path(wheel), vllm_source.kv_events_path())
     except (OSError, KeyError, zipfile.BadZipFile) as exc:
-        err.print(f"kvpubd: cannot extract {vllm_peer.WHEEL_MEMBER} from {wheel}: {exc}")
+        err.print(f"kvpubd: cannot extract {vllm_source.WHEEL_MEMBER} from {wheel}: {exc}")
         raise typer.Exit(1) from None
     typer.echo(str(dest))
