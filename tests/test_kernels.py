@@ -14,7 +14,6 @@ from kvpubd.daemon.kernels import (
     gpu_available,
     kernel_source,
     numpy_checksum,
-    numpy_copy,
     numpy_scrub,
 )
 
@@ -160,35 +159,6 @@ def test_scrub_zeroes_exactly_the_listed_blocks() -> None:
     numpy_scrub(pool, np.array([], dtype=np.int64))
 
 
-def test_copy_copies_exactly() -> None:
-    rng = np.random.default_rng(4)
-    pool = random_pool(rng, 10, 100)
-    before = pool.copy()
-    numpy_copy(pool, [1, 1, 5], [0, 8, 3])  # a source may be read more than once
-    assert np.array_equal(pool[0], before[1])
-    assert np.array_equal(pool[8], before[1])
-    assert np.array_equal(pool[3], before[5])
-    untouched = [i for i in range(10) if i not in (0, 8, 3)]
-    assert np.array_equal(pool[untouched], before[untouched])
-    numpy_copy(pool, [], [])
-
-
-@pytest.mark.parametrize(
-    ("src", "dst", "message"),
-    [
-        ([1, 2], [3], "as many"),
-        ([1, 2], [3, 3], "distinct"),
-        ([1, 2], [2, 4], "also be sources"),
-        ([1], [10], "out of range"),
-        ([-1], [3], "out of range"),
-    ],
-)
-def test_copy_rejects_broken_contract(src: list[int], dst: list[int], message: str) -> None:
-    pool = np.zeros((10, 4), np.uint8)
-    with pytest.raises(ValueError, match=message):
-        numpy_copy(pool, src, dst)
-
-
 def test_ids_are_checked() -> None:
     pool = np.zeros((4, 4), np.uint8)
     with pytest.raises(ValueError, match="out of range"):
@@ -204,7 +174,7 @@ def test_ids_are_checked() -> None:
 def test_kernel_source_ships_with_the_package() -> None:
     src = kernel_source()
     assert 'extern "C"' in src
-    for name in ("kv_scrub", "kv_copy", "kv_checksum_partial", "kv_checksum_final"):
+    for name in ("kv_scrub", "kv_checksum_partial", "kv_checksum_final"):
         assert name in src
 
 
@@ -298,53 +268,6 @@ def test_gpu_scrub_equals_twin(gpu: tuple[Any, KernelSet], block_bytes: int, off
 
 
 @needs_gpu
-@pytest.mark.parametrize("block_bytes", BLOCK_SIZES)
-@pytest.mark.parametrize("offset", [0, 8, 4, 3])
-def test_gpu_copy_equals_twin(gpu: tuple[Any, KernelSet], block_bytes: int, offset: int) -> None:
-    cp, ks = gpu
-    rng = np.random.default_rng(block_bytes * 13 + offset)
-    num_blocks = max(2, min(41, (4 << 20) // block_bytes))
-    perm = rng.permutation(num_blocks)
-    half = num_blocks // 2
-    cases = [
-        (np.zeros(0, np.int64), np.zeros(0, np.int64)),
-        (perm[:1], perm[1:2]),
-        (perm[:half], perm[half : 2 * half]),  # src and dst blocks interleave in memory
-        (rng.choice(perm[:half], size=half), perm[half : 2 * half]),  # repeated sources
-        (perm[1:2], perm[:1]),
-    ]
-    for src, dst in cases:
-        host = random_pool(rng, num_blocks, block_bytes)
-        pool = _device_pool(cp, host, offset)
-        ks.copy(pool, src, dst)
-        numpy_copy(host, src, dst)
-        got = pool.get(stream=ks.stream)
-        ks.stream.synchronize()
-        assert np.array_equal(got, host), (block_bytes, offset, len(src))
-
-
-@needs_gpu
-def test_gpu_copy_between_differently_aligned_blocks(gpu: tuple[Any, KernelSet]) -> None:
-    """Block size 100: each block starts 4 bytes later mod 16 than the one before, so copies
-    run between every pair of relative alignments (16, 8 and 4 bytes)."""
-    cp, ks = gpu
-    rng = np.random.default_rng(5)
-    for offset in (0, 1, 2):
-        host = random_pool(rng, 16, 100)
-        pool = _device_pool(cp, host, offset)
-        src, dst = np.arange(8), np.array([8, 13, 10, 15, 12, 9, 14, 11])
-        ks.copy(pool, src, dst)
-        numpy_copy(host, src, dst)
-        assert np.array_equal(pool.get(stream=ks.stream), host)
-    # Odd block size: relative alignments of 1 and 2 bytes too.
-    host = random_pool(rng, 16, 4099)
-    pool = _device_pool(cp, host, 0)
-    ks.copy(pool, np.arange(8), np.arange(8, 16)[::-1].copy())
-    numpy_copy(host, np.arange(8), np.arange(8, 16)[::-1].copy())
-    assert np.array_equal(pool.get(stream=ks.stream), host)
-
-
-@needs_gpu
 def test_gpu_single_block_pool(gpu: tuple[Any, KernelSet]) -> None:
     cp, ks = gpu
     rng = np.random.default_rng(6)
@@ -365,10 +288,6 @@ def test_gpu_wrappers_validate(gpu: tuple[Any, KernelSet]) -> None:
         ks.scrub(pool, [8])
     with pytest.raises(ValueError, match="out of range"):
         ks.checksum(pool, cp.asarray([0, 9]))
-    with pytest.raises(ValueError, match="distinct"):
-        ks.copy(pool, [0, 1], [2, 2])
-    with pytest.raises(ValueError, match="also be sources"):
-        ks.copy(pool, cp.asarray([0, 1]), cp.asarray([1, 2]))
     with pytest.raises(ValueError, match="2-D"):
         ks.scrub(pool.reshape(-1), [0])
     assert ks.checksum(pool, []).size == 0
@@ -395,8 +314,6 @@ def test_gpu_tuning_knobs_do_not_change_results(
             ids = rng.integers(0, num_blocks, size=12)
             got = ks.checksum(pool, ids).get(stream=ks.stream)
             assert np.array_equal(got, numpy_checksum(host, ids)), (block_bytes, offset)
-            ks.copy(pool, [0, 1, 2], [5, 3, 8])
-            numpy_copy(host, [0, 1, 2], [5, 3, 8])
             ks.scrub(pool, [1, 6])
             numpy_scrub(host, [1, 6])
             assert np.array_equal(pool.get(stream=ks.stream), host), (block_bytes, offset)
@@ -425,7 +342,7 @@ def test_bench_table_renders() -> None:
         "bandwidth": {"gbs": 4338.0},
         "target_pct": 85.0,
         "rows": [row, {**row, "impl": "cupy", "pct_of_device": 50.0}],
-        "checks": {"copy_65536": True},
+        "checks": {"scrub_65536": True},
     }
     console = Console(width=200, record=True)
     console.print(format_table(result))

@@ -146,6 +146,7 @@ def test_demo_ctrl_c_while_its_daemon_starts(tools: list[subprocess.Popen[str]])
     _assert_ended_cleanly(demo, child, 130, "kvpubd: interrupted")
 
 
+@pytest.mark.bench
 def test_bench_reset_ends_on_sigterm_with_its_daemon(tools: list[subprocess.Popen[str]]) -> None:
     bench = _start(tools, "bench", "reset", "--sizes", "1000", "--resets", "1000000")
     child = wait_for(lambda: _find_daemon(bench), timeout=60, what="the bench's daemon")
@@ -154,6 +155,7 @@ def test_bench_reset_ends_on_sigterm_with_its_daemon(tools: list[subprocess.Pope
     _assert_ended_cleanly(bench, child, 143, "kvpubd: terminated")
 
 
+@pytest.mark.bench
 def test_bench_throughput_ctrl_c_stops_its_processes(tools: list[subprocess.Popen[str]]) -> None:
     """Ctrl-C in a terminal reaches the whole group: the subscriber process the bench spawned
     prints no traceback, and the bench stops it and its daemon. (The daemon is held with

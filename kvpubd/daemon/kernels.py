@@ -1,4 +1,4 @@
-"""GPU block kernels (scrub, copy, checksum) over the KV block pool, and their NumPy twins.
+"""GPU block kernels (scrub, checksum) over the KV block pool, and their NumPy twins.
 
 The pool is a 2-D ``uint8`` array ``[num_blocks, block_bytes]``; ``block_bytes`` is any positive
 integer (not necessarily a multiple of 16). On the GPU the kernels come from
@@ -10,12 +10,6 @@ Operations
 ----------
 ``scrub(pool, ids)``
     Zero every listed block. Ids may repeat.
-``copy(pool, src_ids, dst_ids)``
-    Copy block ``src_ids[i]`` to block ``dst_ids[i]`` for every ``i``. Contract: the two lists
-    have the same length, the destinations are distinct, and no destination is also a source
-    (sources may repeat). Under that contract the result does not depend on the order in which
-    the copies run, which is what lets the GPU run them all at once. The wrappers check it
-    (with ``validate=True``, the default) and raise ``ValueError`` when it is broken.
 ``checksum(pool, ids) -> uint64[len(ids)]``
     A 64-bit checksum of each listed block, defined below. Ids may repeat.
 
@@ -68,9 +62,7 @@ __all__ = [
     "kernel_source",
     "kernel_source_path",
     "numpy_checksum",
-    "numpy_copy",
     "numpy_scrub",
-    "validate_copy_ids",
     "validate_ids",
 ]
 
@@ -90,7 +82,7 @@ THREADS_PER_CTA = 32 * WARPS_PER_CTA
 
 _KERNEL_PACKAGE = "kvpubd.daemon"
 _KERNEL_FILE = "_kernels/block_ops.cu"
-_KERNEL_NAMES = ("kv_scrub", "kv_copy", "kv_checksum_partial", "kv_checksum_final")
+_KERNEL_NAMES = ("kv_scrub", "kv_checksum_partial", "kv_checksum_final")
 
 
 class KernelUnavailable(RuntimeError):
@@ -122,22 +114,6 @@ def validate_ids(num_blocks: int, ids: Any) -> np.ndarray:
     return arr
 
 
-def validate_copy_ids(num_blocks: int, src_ids: Any, dst_ids: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Check the copy contract (same length, ids in range, distinct destinations, no
-    destination among the sources); return both lists as int64 arrays. O(n log n)."""
-    src = validate_ids(num_blocks, src_ids)
-    dst = validate_ids(num_blocks, dst_ids)
-    if src.shape != dst.shape:
-        raise ValueError(f"copy needs as many sources as destinations: {src.size} != {dst.size}")
-    if dst.size:
-        sorted_dst = np.sort(dst)
-        if bool((sorted_dst[1:] == sorted_dst[:-1]).any()):
-            raise ValueError("copy destinations must be distinct")
-        if bool(np.isin(src, sorted_dst).any()):
-            raise ValueError("copy destinations must not also be sources")
-    return src, dst
-
-
 def _check_host_pool(pool: np.ndarray) -> None:
     if not isinstance(pool, np.ndarray) or pool.dtype != np.uint8 or pool.ndim != 2:
         raise ValueError("pool must be a 2-D numpy uint8 array [num_blocks, block_bytes]")
@@ -155,18 +131,6 @@ def numpy_scrub(pool: np.ndarray, block_ids: Any) -> None:
     ids = validate_ids(pool.shape[0], block_ids)
     if ids.size:
         pool[ids] = 0
-
-
-def numpy_copy(pool: np.ndarray, src_ids: Any, dst_ids: Any, *, validate: bool = True) -> None:
-    """Copy block ``src_ids[i]`` to ``dst_ids[i]`` in place (see the module docstring for the
-    contract on the id lists)."""
-    _check_host_pool(pool)
-    if validate:
-        src, dst = validate_copy_ids(pool.shape[0], src_ids, dst_ids)
-    else:
-        src, dst = _as_host_ids(src_ids), _as_host_ids(dst_ids)
-    if dst.size:
-        pool[dst] = pool[src]
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -379,44 +343,6 @@ class KernelSet:
             geometry = (pool, np.uint64(row_stride), np.uint64(block_bytes))
             args = (*geometry, ids, np.int64(n), np.uint64(tpb))
             self._fn["kv_scrub"]((self._grid(n * tpb),), (THREADS_PER_CTA,), args)
-
-    def copy(self, pool: Any, src_ids: Any, dst_ids: Any, *, validate: bool = True) -> None:
-        """Copy block ``src_ids[i]`` to ``dst_ids[i]`` (enqueued on the stream).
-
-        With ``validate`` the contract (module docstring) is checked: on the host for host
-        lists, on the device with one stream synchronisation for CuPy arrays.
-        """
-        cupy = _import_cupy()
-        num_blocks, block_bytes, row_stride = self._geometry(pool)
-        on_device = isinstance(src_ids, cupy.ndarray) or isinstance(dst_ids, cupy.ndarray)
-        if validate and not on_device:
-            src_h, dst_h = validate_copy_ids(num_blocks, src_ids, dst_ids)
-            src = self._device_ids(src_h, num_blocks, False)
-            dst = self._device_ids(dst_h, num_blocks, False)
-        else:
-            src = self._device_ids(cupy.asarray(src_ids), num_blocks, validate)
-            dst = self._device_ids(cupy.asarray(dst_ids), num_blocks, validate)
-            if src.shape != dst.shape:
-                raise ValueError(
-                    f"copy needs as many sources as destinations: {src.size} != {dst.size}"
-                )
-            if validate and dst.size:
-                with self.stream:
-                    sorted_dst = cupy.sort(dst)
-                    dup = bool((sorted_dst[1:] == sorted_dst[:-1]).any())
-                    overlap = bool(cupy.isin(src, sorted_dst).any())
-                if dup:
-                    raise ValueError("copy destinations must be distinct")
-                if overlap:
-                    raise ValueError("copy destinations must not also be sources")
-        n = int(dst.size)
-        if n == 0:
-            return
-        tpb = self._tiles_per_block(block_bytes)
-        with self.stream:
-            geometry = (pool, np.uint64(row_stride), np.uint64(block_bytes))
-            args = (*geometry, src, dst, np.int64(n), np.uint64(tpb))
-            self._fn["kv_copy"]((self._grid(n * tpb),), (THREADS_PER_CTA,), args)
 
     def checksum(self, pool: Any, block_ids: Any, *, validate: bool = True) -> Any:
         """Checksums of the listed blocks as a ``cupy`` uint64 array (filled on the stream;

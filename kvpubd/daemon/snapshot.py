@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,15 +93,6 @@ class SnapshotJob:
         self.seq = -1  # the seq the job is (or was last) building at
         self.result: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(), name=f"kvpubd snapshot rank {source.rank}")
-
-    def add_done_callback(self, callback: Callable[[Snapshot], None]) -> None:
-        """Call ``callback(snapshot)`` once the job is done (at once if it is)."""
-
-        def done(future: asyncio.Future[Snapshot]) -> None:
-            if not future.cancelled() and future.exception() is None:
-                callback(future.result())
-
-        self.result.add_done_callback(done)
 
     def cancel(self) -> None:
         self._task.cancel()

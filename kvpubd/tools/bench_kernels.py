@@ -6,8 +6,6 @@ same data, CuPy's own ways of doing the same thing. The device bandwidth is that
 device-to-device ``cupy.copyto`` (bytes read + written). Bytes counted per operation:
 
 * scrub: bytes zeroed (written);
-* copy: bytes read + bytes written (2 x the blocks copied), also for CuPy's fancy-index copy,
-  which really moves twice that through a temporary;
 * checksum / sum: bytes read.
 
 Run as ``kvpubd bench kernels`` (``--help``); ``--check`` runs a quick GPU-vs-NumPy comparison
@@ -29,7 +27,6 @@ from kvpubd.daemon.kernels import (
     UNROLL,
     KernelSet,
     numpy_checksum,
-    numpy_copy,
     numpy_scrub,
 )
 
@@ -156,8 +153,6 @@ def _bench_block_size(
         in_order_ids = cp.arange(num_blocks, dtype=cp.int64)
         half_ids = cp.asarray(np.sort(perm[:half]))  # random half, in address order
         half_ids_shuffled = cp.asarray(perm[:half])
-        src_ids = cp.asarray(perm[:half])
-        dst_ids = cp.asarray(perm[half : 2 * half])
     common: dict[str, Any] = {
         "block_bytes": block_bytes,
         "num_blocks": num_blocks,
@@ -186,20 +181,6 @@ def _bench_block_size(
         checks[f"checksum_twin_{block_bytes}"] = bool(
             np.array_equal(sums, numpy_checksum(sample, np.arange(8)))
         )
-
-    # copy: random half -> the other half
-    for label, ks in kernel_sets:
-        kv(label, "copy", "random half -> other half (read+write)", 2 * half_bytes,
-           partial(ks.copy, pool, src_ids, dst_ids, validate=False))  # fmt: skip
-
-    def cupy_copy() -> None:
-        pool[dst_ids] = pool[src_ids]
-
-    kv("cupy", "copy", "pool[dst] = pool[src] (read+write)", 2 * half_bytes, cupy_copy)
-    if verify:
-        a = default_ks.checksum(pool, src_ids, validate=False)
-        b = default_ks.checksum(pool, dst_ids, validate=False)
-        checks[f"copy_{block_bytes}"] = bool((a == b).all())
 
     # scrub
     for label, ks in kernel_sets:
@@ -365,11 +346,6 @@ def self_check(seed: int = 0) -> list[str]:
                 if not np.array_equal(got, numpy_checksum(host, ids)):
                     failures.append(f"checksum {tag}")
                 perm = rng.permutation(nb)
-                src, dst = perm[: nb // 2], perm[nb // 2 : 2 * (nb // 2)]
-                ks.copy(pool, src, dst)
-                numpy_copy(host, src, dst)
-                if not np.array_equal(pool.get(stream=stream), host):
-                    failures.append(f"copy {tag}")
                 sel = perm[: max(1, nb // 3)]
                 ks.scrub(pool, sel)
                 numpy_scrub(host, sel)

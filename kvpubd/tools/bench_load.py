@@ -16,7 +16,7 @@ import resource
 import selectors
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,11 @@ class LoadControl:
     ready: Any  # processes set up (connected, connections opened)
     results: Any
 
+    @classmethod
+    def shared(cls, ctx: Any) -> LoadControl:
+        """Fresh flags and counters that the processes of the multiprocessing ``ctx`` share."""
+        return cls(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue())
+
     def set_ready(self) -> None:
         with self.ready.get_lock():
             self.ready.value += 1
@@ -63,39 +68,57 @@ class LoadSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _send_request(sock: zmq.Socket, request: dict[str, Any]) -> None:
+def send_request(sock: zmq.Socket, request: dict[str, Any]) -> None:
     sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
 
 
-def _await_reply(
+def _await_replies(
     sock: zmq.Socket,
-    request_id: int,
+    request_ids: list[int],
     control: LoadControl,
     timeout: float,
     tolerated: frozenset[str] = frozenset(),
-) -> bool:
-    """True once the reply to ``request_id`` came ok (or refused with a ``tolerated`` error
-    code); False on another refusal, stop or timeout."""
+) -> int:
+    """Wait for the replies to ``request_ids`` (a late one to an earlier request is skipped);
+    how many came ok or refused with a ``tolerated`` error code, once all came, or on stop or
+    timeout."""
+    waiting = set(request_ids)
+    good = 0
     deadline = time.monotonic() + timeout
-    while not control.stop.is_set() and time.monotonic() < deadline:
+    while waiting and not control.stop.is_set() and time.monotonic() < deadline:
         if sock.poll(POLL_MS):
             reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
-            if reply.get("id") == request_id:
+            if reply.get("id") in waiting:
+                waiting.discard(reply["id"])
                 error = reply.get("error") or {}
-                return bool(reply.get("ok")) or error.get("code") in tolerated
-    return False
+                good += bool(reply.get("ok")) or error.get("code") in tolerated
+    return good
 
 
-def _request_loop(
+def rounds(control: LoadControl) -> Iterator[int]:
+    """0, 1, ...: a load's rounds, each once ``go`` is set, until ``stop`` is set."""
+    for n in itertools.count():
+        while not control.go.wait(POLL_MS / 1000):
+            if control.stop.is_set():
+                return
+        if control.stop.is_set():
+            return
+        yield n
+
+
+def request_loop(
     control: LoadControl,
     endpoint: str,
     next_requests: Callable[[int], list[dict[str, Any]]],
     label: str,
     reply_timeout: float = 600.0,
     tolerated: frozenset[str] = frozenset(),
+    pipelined: bool = False,
 ) -> None:
-    """Send the requests of ``next_requests(n)`` one after another, each awaiting its reply,
-    for n = 0, 1, ... while ``go`` is set; time the first request of each round."""
+    """Send the requests of ``next_requests(n)`` for each round n: one after another, each
+    awaiting its reply, or with ``pipelined`` all back to back and then their replies. Times
+    the first request of each round (pipelined: the whole round); a request refused (unless
+    with a ``tolerated`` code) or unanswered within ``reply_timeout`` is a failure."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -105,25 +128,24 @@ def _request_loop(
     failures = 0
     control.set_ready()
     try:
-        for n in itertools.count():
-            while not control.go.wait(POLL_MS / 1000):
-                if control.stop.is_set():
-                    return
-            if control.stop.is_set():
-                return
-            for i, request in enumerate(next_requests(n)):
-                request_id = next(ids)
+        for n in rounds(control):
+            # The id first, long token lists last (msgpack keeps the order).
+            batch = [{"id": next(ids), **request} for request in next_requests(n)]
+            waves = [batch] if pipelined else [[request] for request in batch]
+            for i, wave in enumerate(waves):
                 started = time.perf_counter()
-                _send_request(sock, {"id": request_id, **request})  # long lists last
+                for request in wave:
+                    send_request(sock, request)
                 if i == 0:
                     with control.ops.get_lock():
                         control.ops.value += 1
-                ok = _await_reply(sock, request_id, control, reply_timeout, tolerated)
+                wave_ids = [request["id"] for request in wave]
+                good = _await_replies(sock, wave_ids, control, reply_timeout, tolerated)
                 if control.stop.is_set():
                     return
                 if i == 0:
                     durations.append(time.perf_counter() - started)
-                failures += not ok
+                failures += len(wave) - good
     finally:
         sock.close()
         ctx.term()
@@ -144,7 +166,7 @@ def _ms(seconds: list[float], q: float) -> float | None:
 
 def snapshot_load(control: LoadControl, spec: LoadSpec) -> None:
     """One client asking for the snapshot of the load rank's cache, again and again."""
-    _request_loop(
+    request_loop(
         control,
         spec.control_endpoint,
         lambda n: [{"op": "snapshot", "rank": LOAD_RANK}],
@@ -170,7 +192,7 @@ def big_store_load(control: LoadControl, spec: LoadSpec) -> None:
             {"op": "release", "request_id": request_id},
         ]
 
-    _request_loop(control, spec.control_endpoint, store_and_release, "big-store")
+    request_loop(control, spec.control_endpoint, store_and_release, "big-store")
 
 
 def replay_flood_load(control: LoadControl, spec: LoadSpec) -> None:
@@ -185,9 +207,7 @@ def replay_flood_load(control: LoadControl, spec: LoadSpec) -> None:
     sent = 0
     control.set_ready()
     try:
-        while not control.stop.is_set():
-            if not control.go.wait(POLL_MS / 1000):
-                continue
+        for _ in rounds(control):
             try:
                 for _ in range(100):
                     sock.send_multipart(request)
@@ -304,9 +324,7 @@ class Load:
             raise ValueError(f"unknown load {spec.name!r}; known: {', '.join(LOADS)}")
         self.spec = spec
         ctx = multiprocessing.get_context("spawn")
-        self.control = LoadControl(
-            ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue()
-        )
+        self.control = LoadControl.shared(ctx)
         target, copies = {
             "snapshot": (snapshot_load, 1),
             "big-store": (big_store_load, 1),

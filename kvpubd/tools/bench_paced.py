@@ -11,6 +11,9 @@ import msgpack
 import zmq
 
 from kvpubd.interrupts import ctrl_c_kept_from_children
+from kvpubd.tools.bench_probe import TINY_BLOCKS, ResetProbe
+from kvpubd.tools.bench_prompts import make_prompts
+from kvpubd.tools.bench_report import summary
 from kvpubd.tools.launcher import DaemonProcess
 
 LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
@@ -18,9 +21,8 @@ LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
 
 def _paced_load(control_endpoint: str, rate: float, seconds: float, stop: Any) -> None:
     """Send store + release pairs at ``rate`` stores/s until ``seconds`` pass or ``stop``
-    says so; refusals (a forced reset drops open requests) are simply counted."""
-    from kvpubd.tools.bench import make_prompts
-
+    says so; refusals (a forced reset drops open requests) are simply counted. "started" goes
+    on ``stop`` once the first pair is sent."""
     prompts = make_prompts(500, seed=7)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -36,6 +38,8 @@ def _paced_load(control_endpoint: str, rate: float, seconds: float, stop: Any) -
             for op, fields in (("store", {"token_ids": prompt}), ("release", {})):
                 request = {"op": op, "id": sent, "request_id": f"load-{sent}", **fields}
                 sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
+            if not sent:
+                stop.send("started")
             sent += 1
             in_flight += 2
         elif sock.poll(max(0, int((due - now) * 1000)) if in_flight < LOAD_WINDOW else 100):
@@ -47,7 +51,7 @@ def _paced_load(control_endpoint: str, rate: float, seconds: float, stop: Any) -
     ctx.term()
 
 
-def _time_reset(probe: Any) -> tuple[int, int]:
+def _time_reset(probe: ResetProbe) -> tuple[int, int]:
     """Like ResetProbe.time_reset, but skips the store batches in between by a byte search
     instead of decoding each (under load the SUB carries megabytes of them)."""
     start = time.perf_counter_ns()
@@ -66,8 +70,6 @@ def measure_resets_under_load(
 ) -> dict[str, Any]:
     """reset -> marker received, ``resets`` times, while a paced client stores at
     ``fraction`` x ``capacity_rps``."""
-    from kvpubd.tools.bench import TINY_BLOCKS, ResetProbe, summary
-
     overrides: dict[str, dict[str, Any]] = {
         "cache": {**TINY_BLOCKS, "num_blocks": num_blocks},
         "events": {"buffer_steps": 1000},
@@ -89,6 +91,9 @@ def measure_resets_under_load(
             probe.wait_connected()
             with ctrl_c_kept_from_children():  # Ctrl-C is the bench's to handle: it stops the load
                 load.start()
+            # Its start (a fresh interpreter) can take longer than the resets on a busy host.
+            if not stop.poll(60) or stop.recv() != "started":
+                raise TimeoutError("the paced load did not start within 60 s")
             time.sleep(1.0)  # the load reaches its pace (a bench, not a test: sleeping is fine)
             markers, replies = [], []
             for _ in range(resets):
@@ -112,6 +117,7 @@ def measure_resets_under_load(
     return {
         "load_fraction": fraction,
         "target_stores_per_s": round(fraction * capacity_rps),
+        "stores": stores,
         "stores_per_s": round(stores / done["seconds"]) if done.get("seconds") else None,
         "refused": done.get("refused"),
         **summary(markers),

@@ -1,11 +1,12 @@
 """``kvpubd bench soak``: every load at once against one daemon, for a set time, while a prober
 times each reset -> marker and a follower process mirrors every rank from the stream alone.
 
-The loads run in processes of their own (bench_load's machinery): large stores, the same large
-prompt stored again (a prefix-cache hit), pipelined small stores, checksums of the whole pool,
-snapshots, a replay flood, and clients that die holding stores. The prober resets rank 0 or
-every rank (forced) a few times a second and sends SIGHUP now and then. At checkpoints the
-loads hold still and the follower's mirror of each rank must equal the daemon's snapshot.
+The loads (soak_loads) run in processes of their own: large stores, the same large prompt
+stored again (a prefix-cache hit), pipelined small stores, checksums of the whole pool,
+snapshots, a replay flood, and clients that go away or die holding stores. The prober resets
+rank 0 or every rank (forced) a few times a second and sends SIGHUP now and then. At
+checkpoints the loads hold still and the follower's mirror of each rank must equal the
+daemon's snapshot.
 
 Reported: reset -> marker p50/p99/max, resets that never published, divergences, whether the
 daemon lived. The exit status is 1 on a divergence, a lost reset or a dead daemon; latency is
@@ -14,246 +15,29 @@ reported, not judged (it depends on the machine)."""
 from __future__ import annotations
 
 import contextlib
-import itertools
+import json
 import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from typing import Any
+from typing import Annotated, Any
 
-import numpy as np
-import zmq
+import typer
+from rich.console import Console
+from rich.progress import Progress
 
-from kvpubd.tools.bench_load import POLL_MS, LoadControl, LoadSpec, _request_loop, raise_fd_limit
+from kvpubd.exits import USAGE, fail
+from kvpubd.tools.bench_daemon import start_with_free_ports, stop_and_report
+from kvpubd.tools.bench_load import LoadControl, LoadSpec, raise_fd_limit
+from kvpubd.tools.bench_probe import ResetProbe
+from kvpubd.tools.bench_report import summary
 from kvpubd.tools.launcher import DaemonProcess
+from kvpubd.tools.soak_loads import LOADS, NUM_BLOCKS, OPT_IN, ORPHAN_GRACE_S
 
 RANKS = 2
-BLOCK_SIZE = 16
-NUM_BLOCKS = 40_000  # per rank
-BIG_STORE_BLOCKS = 12_500  # 200k tokens: sliced over many loop turns
-SMALL_STORES = 200  # pipelined per round
 RESET_TIMEOUT_S = 30.0
 CHECKPOINT_EVERY_S = 10.0
-ORPHAN_GRACE_S = 0.5  # the soak daemon's control.orphan_grace_ms
-
-# The load rank carries the loads' caches; the prober resets rank 0 alone or every rank.
-LOAD_RANK = 1
-# The prober's resets are forced: they close open requests, whose release then finds nothing.
-CLOSED = frozenset({"unknown_request"})
-
-
-def _tokens(rng: np.random.Generator, blocks: int) -> bytes:
-    return rng.integers(1, 1 << 31, size=blocks * BLOCK_SIZE, dtype="<u4").tobytes()
-
-
-def big_stores(control: LoadControl, spec: LoadSpec) -> None:
-    rng = np.random.default_rng(1)
-
-    def requests(n: int) -> list[dict[str, Any]]:
-        tokens = _tokens(rng, BIG_STORE_BLOCKS)
-        rid = f"big-{n}"
-        return [
-            {"op": "store", "rank": LOAD_RANK, "request_id": rid, "token_ids": tokens},
-            {"op": "release", "request_id": rid},
-        ]
-
-    _request_loop(
-        control, spec.control_endpoint, requests, "big-stores", reply_timeout=60, tolerated=CLOSED
-    )
-
-
-def cached_stores(control: LoadControl, spec: LoadSpec) -> None:
-    """The same large prompt again and again: after the first, a prefix-cache hit."""
-    tokens = _tokens(np.random.default_rng(2), BIG_STORE_BLOCKS)
-
-    def requests(n: int) -> list[dict[str, Any]]:
-        rid = f"cached-{n}"
-        return [
-            {"op": "store", "rank": LOAD_RANK, "request_id": rid, "token_ids": tokens},
-            {"op": "release", "request_id": rid},
-        ]
-
-    _request_loop(
-        control,
-        spec.control_endpoint,
-        requests,
-        "cached-stores",
-        reply_timeout=60,
-        tolerated=CLOSED,
-    )
-
-
-def small_stores(control: LoadControl, spec: LoadSpec) -> None:
-    """Rounds of SMALL_STORES one-block stores sent back to back, then their releases."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(spec.control_endpoint)
-    rng = np.random.default_rng(3)
-    rounds = failures = 0
-    control.set_ready()
-    try:
-        for n in itertools.count():
-            if not control.go.wait(POLL_MS / 1000):
-                if control.stop.is_set():
-                    return
-                continue
-            if control.stop.is_set():
-                return
-            ids = [f"small-{n}-{i}" for i in range(SMALL_STORES)]
-            for rid in ids:
-                store = {"op": "store", "rank": 0, "request_id": rid, "token_ids": _tokens(rng, 1)}
-                sock.send_multipart([b"", _pack(store)])
-            for rid in ids:
-                sock.send_multipart([b"", _pack({"op": "release", "request_id": rid})])
-            with control.ops.get_lock():
-                control.ops.value += 1
-            answered = 0
-            deadline = time.monotonic() + 60
-            while answered < 2 * len(ids) and time.monotonic() < deadline:
-                if control.stop.is_set():
-                    return
-                if sock.poll(POLL_MS):
-                    sock.recv_multipart()
-                    answered += 1
-            failures += answered < 2 * len(ids)
-            rounds += 1
-    finally:
-        sock.close()
-        ctx.term()
-        control.results.put({"load": "small-stores", "rounds": rounds, "failures": failures})
-
-
-def checksums(control: LoadControl, spec: LoadSpec) -> None:
-    ids = list(range(NUM_BLOCKS))
-    _request_loop(
-        control,
-        spec.control_endpoint,
-        lambda n: [{"op": "checksum", "rank": LOAD_RANK, "block_ids": ids}],
-        "checksums",
-        reply_timeout=60,
-    )
-
-
-def snapshots(control: LoadControl, spec: LoadSpec) -> None:
-    _request_loop(
-        control,
-        spec.control_endpoint,
-        lambda n: [{"op": "snapshot", "rank": LOAD_RANK}],
-        "snapshots",
-        reply_timeout=60,
-    )
-
-
-def replay_flood(control: LoadControl, spec: LoadSpec) -> None:
-    from kvpubd.tools.bench_load import replay_flood_load
-
-    replay_flood_load(control, spec)
-
-
-# A client that stores and holds until it is killed.
-_HOLDER = """
-import sys
-from kvpubd.client import ControlClient
-client = ControlClient(sys.argv[1], timeout=30)
-client.store(sys.argv[2], list(range(int(sys.argv[3]), int(sys.argv[3]) + 64)), rank=0)
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
-def dying_clients(control: LoadControl, spec: LoadSpec) -> None:
-    """Clients that store on rank 0 and are killed (SIGKILL) holding the store: a process
-    spawned per death. On the H200 VM spawning alone lifts an idle daemon's reset p99 from
-    1.3 to 9-11 ms, so this load runs only when named."""
-    rng = random.Random(4)
-    killed = 0
-    control.set_ready()
-    try:
-        for n in itertools.count():
-            if control.stop.is_set():
-                return
-            if not control.go.wait(POLL_MS / 1000):
-                continue
-            child = subprocess.Popen(
-                [sys.executable, "-c", _HOLDER, spec.control_endpoint, f"dies-{n}", str(n * 64)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            assert child.stdout is not None
-            child.stdout.readline()
-            with control.ops.get_lock():
-                control.ops.value += 1
-            time.sleep(rng.uniform(0, 0.3))
-            child.kill()
-            child.wait()
-            killed += 1
-    finally:
-        control.results.put({"load": "dying-clients", "killed": killed})
-
-
-def vanishing_clients(control: LoadControl, spec: LoadSpec) -> None:
-    """Clients that store on rank 0 and go away without releasing: each round a fresh
-    connection stores two prompts and is closed at once, then this process stays away longer
-    than the daemon's orphan grace, so the daemon releases them (what a client that dies
-    leaves behind, without spawning a process per death: process creation alone stalls this
-    host's other processes for milliseconds)."""
-    rng = random.Random(5)
-    ctx = zmq.Context()
-    rounds = failures = 0
-    control.set_ready()
-    try:
-        for n in itertools.count():
-            if control.stop.is_set():
-                return
-            if not control.go.wait(POLL_MS / 1000):
-                continue
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(spec.control_endpoint)
-            for i in range(2):
-                store = {
-                    "id": i,
-                    "op": "store",
-                    "rank": 0,
-                    "request_id": f"vanish-{n}-{i}",
-                    "token_ids": _tokens(np.random.default_rng((n, i)), 4),
-                }
-                sock.send_multipart([b"", _pack(store)])
-            answered = sum(1 for _ in range(2) if sock.poll(30_000) and sock.recv_multipart())
-            failures += answered < 2
-            sock.close()  # gone, holding both
-            with control.ops.get_lock():
-                control.ops.value += 1
-            rounds += 1
-            time.sleep(ORPHAN_GRACE_S + rng.uniform(0.1, 0.4))
-    finally:
-        ctx.term()
-        control.results.put({"load": "vanishing-clients", "rounds": rounds, "failures": failures})
-
-
-def _pack(request: dict[str, Any]) -> bytes:
-    import msgpack
-
-    return msgpack.packb(request, use_bin_type=True)
-
-
-LOADS = {
-    "big-stores": big_stores,
-    "cached-stores": cached_stores,
-    "small-stores": small_stores,
-    "checksums": checksums,
-    "snapshots": snapshots,
-    "replay-flood": replay_flood,
-    "vanishing-clients": vanishing_clients,
-    "dying-clients": dying_clients,
-}
-# Run unless --load names it: a process spawned per death stalls the host (see dying_clients).
-OPT_IN = ("dying-clients",)
 
 
 def _follow(endpoints: dict[str, str], conn: Any) -> None:
@@ -328,9 +112,6 @@ def run_soak(
     unknown = [name for name in names if name not in LOADS]
     if unknown:
         raise ValueError(f"unknown load(s) {', '.join(unknown)}; known: {', '.join(LOADS)}")
-    from kvpubd.tools.bench import ResetProbe, _start_with_free_ports, _stop_and_report, summary
-    from kvpubd.tools.bench_load import LoadControl as Control
-    from kvpubd.tools.launcher import free_tcp_ports
 
     raise_fd_limit(4096)
     overrides: dict[str, dict[str, Any]] = {
@@ -346,7 +127,7 @@ def run_soak(
         "control": {"orphan_grace_ms": int(ORPHAN_GRACE_S * 1000)},
         "service": {"log_level": "warning"},
     }
-    daemon: DaemonProcess = _start_with_free_ports(overrides, free_tcp_ports)
+    daemon: DaemonProcess = start_with_free_ports(overrides)
     ctx = multiprocessing.get_context("spawn")
     spec = LoadSpec(
         "soak",
@@ -356,7 +137,7 @@ def run_soak(
         metrics_port=int(daemon.settings["metrics"]["port"]),
         flood_processes=1,
     )
-    control = Control(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue())
+    control = LoadControl.shared(ctx)
     loads = [ctx.Process(target=LOADS[name], args=(control, spec), daemon=True) for name in names]
     commands, follower_end = ctx.Pipe()
     endpoints = {
@@ -422,7 +203,7 @@ def run_soak(
             if follower.is_alive():
                 follower.kill()
         probe.close()
-        report["daemon"] = _stop_and_report(daemon)
+        report["daemon"] = stop_and_report(daemon)
         report["loads"] = results
     report.update(
         {
@@ -462,3 +243,47 @@ def _checkpoint(control: LoadControl, probe: Any, commands: Any) -> list[str]:
         return list(commands.recv()["divergences"])
     finally:
         control.go.set()
+
+
+def bench_soak(
+    duration: Annotated[float, typer.Option(help="seconds of load", min=5)] = 60.0,
+    seed: Annotated[int, typer.Option(help="seed of the prober's choices")] = 0,
+    load: Annotated[
+        list[str] | None,
+        typer.Option(help="run only this load (repeat for several); default: every load"),
+    ] = None,
+    reloads: Annotated[bool, typer.Option(help="send SIGHUP now and then")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Every load at once (large, cached and small stores, checksums, snapshots, a replay
+    flood, dying clients, reloads) while resets are timed and a follower's mirrors are
+    checked against snapshots; exit 1 on a divergence, a lost reset or a dead daemon."""
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("soak", total=None)
+        try:
+            report = run_soak(
+                duration,
+                seed,
+                lambda text: progress.update(task, description=text),
+                loads_run=load or None,
+                reloads=reloads,
+            )
+        except ValueError as exc:
+            raise fail(f"--load: {exc}", USAGE) from None
+    if as_json:
+        print(json.dumps(report))
+    else:
+        resets = report["resets"]
+        print(
+            f"soak {duration:g} s: {resets['n']} resets, "
+            f"marker p50 {resets['p50_us'] / 1000:.2f} ms, "
+            f"p99 {resets['p99_us'] / 1000:.2f} ms, max {(resets['max_us'] or 0) / 1000:.2f} ms; "
+            f"{report['resets_lost']} lost; {report['checkpoints']} checkpoints, "
+            f"{len(report['divergences'])} divergence(s); {report['load_failures']} load "
+            f"request(s) failed; daemon alive: "
+            f"{report['daemon'].get('alive_at_end')}"
+        )
+        for line in report["divergences"]:
+            print(f"  divergence: {line}")
+    if not report["ok"]:
+        raise typer.Exit(1)

@@ -1,8 +1,9 @@
-// kvpubd block kernels: scrub, copy and checksum over a KV block pool.
+// kvpubd block kernels: scrub and checksum over a KV block pool.
 //
-// Compiled at run time by kvpubd/kernels.py through cupy.RawModule (NVRTC); every kernel is
-// extern "C" so it can be looked up by name. Each has a NumPy twin in kvpubd/kernels.py that
-// gives bit-identical results; keep the two in step (tests/test_kernels.py checks both).
+// Compiled at run time by kvpubd/daemon/kernels.py through cupy.RawModule (NVRTC); every
+// kernel is extern "C" so it can be looked up by name. Each has a NumPy twin in
+// kvpubd/daemon/kernels.py that gives bit-identical results; keep the two in step
+// (tests/test_kernels.py checks both).
 //
 // The pool is rows of `block_bytes` bytes, `row_stride` bytes apart (row_stride >= block_bytes;
 // it equals block_bytes for a C-contiguous [num_blocks, block_bytes] uint8 array). Neither needs
@@ -15,18 +16,18 @@
 // is spread over many SMs. Inside a tile the 32 lanes walk the body with 16-byte accesses,
 // coalesced (lane j touches bytes 16j..16j+15 of each 512-byte step), four steps unrolled so
 // that several loads are in flight per lane; the unaligned head and the tail (< 16 bytes) are
-// done byte by byte. Copies between blocks whose addresses differ modulo 16 fall back to the
-// widest access both share (8, 4, 2 or 1 bytes); that only happens for odd block sizes.
+// done byte by byte.
 // Block ids are read from device memory by the kernels (no host round trip per block).
 //
-// Checksum (see kvpubd/kernels.py for the normative definition):
+// Checksum (see kvpubd/daemon/kernels.py for the normative definition):
 //   word_i  = little-endian uint64 at byte 8*i of the block, zero-padded past block_bytes
 //   S       = sum_i mix64(word_i ^ (i * GOLDEN))                       (mod 2^64)
 //   result  = mix64(S ^ (block_bytes * SIZE_SALT))                     (mod 2^64)
 // A sum mod 2^64 does not depend on the order of its terms, so warps add their partial sums
 // with 64-bit atomics and the result is exact and deterministic.
 
-// Tuning knobs; kvpubd/kernels.py passes KV_TILE and KV_UNROLL with -D and must agree on them.
+// Tuning knobs; kvpubd/daemon/kernels.py passes KV_TILE and KV_UNROLL with -D and must agree
+// on them.
 #ifndef KV_TILE
 #define KV_TILE 8192            // bytes of a block handled by one warp; a multiple of 16
 #endif
@@ -77,8 +78,6 @@ __device__ __forceinline__ V kv_ld(const V* p) { return *p; }
 template <typename V>
 __device__ __forceinline__ void kv_st(V* p, const V& v) { *p = v; }
 #if KV_STREAMING
-template <>
-__device__ __forceinline__ uint4 kv_ld<uint4>(const uint4* p) { return __ldcs(p); }
 template <>
 __device__ __forceinline__ ulonglong2 kv_ld<ulonglong2>(const ulonglong2* p) { return __ldcs(p); }
 template <>
@@ -153,70 +152,6 @@ kv_scrub(unsigned char* __restrict__ pool, u64 row_stride, u64 block_bytes,
         n_ids, tiles_per_block, block_bytes, [=](i64 k) { return ids[k]; },
         [=](const KvTile& tl, i64 id) {
             kv_zero_range(pool + (u64)id * row_stride + tl.off, tl.len, lane);
-        });
-}
-
-// ---------------------------------------------------------------------------------------------
-// copy
-
-// Copy len bytes with accesses of type V, aligned on the destination (the caller guarantees
-// that source and destination share their address modulo sizeof(V)).
-template <typename V>
-__device__ __forceinline__ void kv_copy_range(unsigned char* __restrict__ d,
-                                              const unsigned char* __restrict__ s, u64 len,
-                                              unsigned lane) {
-    const u64 W = sizeof(V);
-    u64 head = (W - ((unsigned long long)d & (W - 1))) & (W - 1);
-    if (head > len) head = len;
-    if (lane < head) d[lane] = s[lane];
-    d += head;
-    s += head;
-    len -= head;
-    u64 nv = len / W;
-    V* dv = reinterpret_cast<V*>(d);
-    const V* sv = reinterpret_cast<const V*>(s);
-    // Unrolled only for the wide accesses; the narrow ones are for odd block sizes only.
-    constexpr int U = sizeof(V) >= 8 ? KV_UNROLL : 1;
-    u64 i = lane;
-    for (; i + 32 * (U - 1) < nv; i += 32 * U) {
-        V r[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) r[u] = kv_ld(sv + i + 32 * u);
-#pragma unroll
-        for (int u = 0; u < U; ++u) kv_st(dv + i + 32 * u, r[u]);
-    }
-    for (; i < nv; i += 32) kv_st(dv + i, kv_ld(sv + i));
-    u64 tail = len - nv * W;
-    if (lane < tail) d[nv * W + lane] = s[nv * W + lane];
-}
-
-__device__ __forceinline__ void kv_copy_tile(unsigned char* d, const unsigned char* s, u64 len,
-                                             unsigned lane) {
-    unsigned rel = (unsigned)(((unsigned long long)s ^ (unsigned long long)d) & 15);
-    if (rel == 0) {
-        kv_copy_range<uint4>(d, s, len, lane);
-    } else if ((rel & 7) == 0) {
-        kv_copy_range<uint2>(d, s, len, lane);
-    } else if ((rel & 3) == 0) {
-        kv_copy_range<unsigned int>(d, s, len, lane);
-    } else if ((rel & 1) == 0) {
-        kv_copy_range<unsigned short>(d, s, len, lane);
-    } else {
-        kv_copy_range<unsigned char>(d, s, len, lane);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(32 * KV_WARPS_PER_CTA)
-kv_copy(unsigned char* __restrict__ pool, u64 row_stride, u64 block_bytes,
-        const i64* __restrict__ src_ids, const i64* __restrict__ dst_ids, i64 n_ids,
-        u64 tiles_per_block) {
-    const unsigned lane = threadIdx.x & 31;
-    kv_for_each_tile<true, longlong2>(
-        n_ids, tiles_per_block, block_bytes,
-        [=](i64 k) { return make_longlong2(src_ids[k], dst_ids[k]); },
-        [=](const KvTile& tl, longlong2 sd) {
-            kv_copy_tile(pool + (u64)sd.y * row_stride + tl.off,
-                         pool + (u64)sd.x * row_stride + tl.off, tl.len, lane);
         });
 }
 
