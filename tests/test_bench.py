@@ -13,11 +13,9 @@ import pytest
 
 from kvpubd.tools.vllm_source import kv_events_path
 
-# Each test runs a benchmark command end to end: seconds each, minutes together.
-pytestmark = pytest.mark.bench
-
-# Benchmarks run their own daemons: processes.
-pytestmark = pytest.mark.process
+# Each test runs a benchmark command end to end (seconds each, minutes together), with
+# daemons of its own: processes.
+pytestmark = [pytest.mark.bench, pytest.mark.process]
 
 
 def bench(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
