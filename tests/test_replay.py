@@ -13,7 +13,8 @@ import pytest
 import zmq
 
 from kvpubd.client import replay
-from kvpubd.daemon.publisher import REPLAY_CHUNK, Publisher
+from kvpubd.daemon.publisher import Publisher
+from kvpubd.daemon.transports.zmq import REPLAY_CHUNK, ZmqTransport
 from kvpubd.protocol.config import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, pack_seq
 from tests.conftest import DaemonFactory
@@ -36,9 +37,11 @@ def publish_batches(daemon: Daemon, count: int) -> int:
         return marker.seq
 
 
-def local_publisher(context: zmq.Context, directory: Path, buffer_steps: int) -> Publisher:
+def local_publisher(
+    context: zmq.Context, directory: Path, buffer_steps: int
+) -> Publisher[ZmqTransport]:
     """A publisher in this process (no loop runs it unless the test starts one), on ipc."""
-    return Publisher(
+    return Publisher.over_zmq(
         context,
         endpoint=f"ipc://{directory}/ev",
         replay_endpoint=f"ipc://{directory}/replay",
@@ -88,7 +91,7 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
         seqs = []
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            publisher.handle_replay()
+            publisher.transport.handle_replay()
             while dealer.poll(10):
                 frames = dealer.recv_multipart()
                 if frames[-2] == b"\xff" * 8:
@@ -100,8 +103,8 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
         for _ in range(4):
             publisher.publish([])
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        while not publisher.replays_in_progress:  # accepted; no time given to stream it
-            publisher.handle_replay(slice_s=0)
+        while not publisher.transport.replays_in_progress:  # accepted; no time given to stream it
+            publisher.transport.handle_replay(slice_s=0)
         for _ in range(20):
             publisher.publish([])
         assert replayed() == list(range(24))  # nothing it still needed was dropped
@@ -173,7 +176,7 @@ async def test_a_replay_waiting_for_its_snapshot_ends_quietly_when_the_publisher
     snapshot: asyncio.Future[object] = loop.create_future()  # never built
     context = zmq.Context()
     publisher = local_publisher(context, tmp_path, buffer_steps=2)
-    publisher.lost_history = lambda: SimpleNamespace(result=snapshot)  # type: ignore[assignment,return-value]
+    publisher.history.lost_history = lambda: SimpleNamespace(result=snapshot)  # type: ignore[assignment,return-value]
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     try:
@@ -183,7 +186,7 @@ async def test_a_replay_waiting_for_its_snapshot_ends_quietly_when_the_publisher
         dealer.connect(publisher.replay_endpoint)
         dealer.send_multipart([b"", pack_seq(0)])
         deadline = time.monotonic() + 10
-        while not publisher.replays_in_progress:
+        while not publisher.transport.replays_in_progress:
             assert time.monotonic() < deadline, "the replay was never accepted"
             await asyncio.sleep(0.001)
         publisher.close()
@@ -191,7 +194,7 @@ async def test_a_replay_waiting_for_its_snapshot_ends_quietly_when_the_publisher
         for _ in range(20):
             await asyncio.sleep(0)
         assert failures == []
-        assert publisher.replays_in_progress == 0
+        assert publisher.transport.replays_in_progress == 0
     finally:
         dealer.close()
         publisher.close()
@@ -206,7 +209,7 @@ async def test_a_replay_from_past_the_last_seq_gets_exactly_the_end_marker(
     client waiting for it would otherwise wait for ever). Asked twice on one connection: the
     second answer comes right after the first, so nothing else was sent in between."""
     context = zmq.Context()
-    publisher = Publisher(
+    publisher = Publisher.over_zmq(
         context,
         endpoint=f"ipc://{tmp_path}/ev",
         replay_endpoint=f"ipc://{tmp_path}/replay",

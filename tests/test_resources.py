@@ -3,6 +3,7 @@ shared memory (a pool larger than /dev/shm). Real daemons, real limits."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import re
@@ -28,6 +29,7 @@ from kvpubd.protocol.config import CacheConfig
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
 from kvpubd.tools.launcher import free_tcp_ports
 from tests.daemon import Daemon, wait_for, write_config
+from tests.loop_turns import started_service, turns_until
 from tests.streams import prompt
 
 DAEMON_FDS = 256  # the daemon's soft and hard limit: a raise cannot lift it
@@ -123,6 +125,27 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
         sub.close()
         context.term()
         stop_alive(daemon)
+
+
+async def test_a_daemon_stopped_in_the_turn_it_started_leaves_no_cap_callback(
+    tmp_path: Path,
+) -> None:
+    """Each connection cap drains its monitor once on the next loop turn: a daemon stopped
+    before that turn (as a test can) cancels it, or it raised on the closed monitor."""
+    loop = asyncio.get_running_loop()
+    failures: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: failures.append(context))
+    async with started_service(tmp_path, events={"replay_endpoint": f"ipc://{tmp_path}/rp"}):
+        pass  # no loop turn between start-up and shutdown
+    turns = 0
+
+    def counted() -> bool:
+        nonlocal turns
+        turns += 1
+        return turns > 10
+
+    await turns_until(counted)
+    assert failures == []
 
 
 @pytest.mark.process

@@ -38,6 +38,7 @@ VLLM = {
 def test_every_field_maps_or_is_said_to_be_ignored() -> None:
     mapping = map_kv_events_config(VLLM)
     assert mapping.events == {
+        "publisher": "zmq",
         "endpoint": "tcp://*:6557",
         "replay_endpoint": "tcp://*:6657",
         "buffer_steps": 500,
@@ -55,12 +56,19 @@ def test_absent_fields_leave_kvpubd_settings_and_null_replay_turns_it_off() -> N
     assert map_kv_events_config({"replay_endpoint": None}).events == {"replay_endpoint": ""}
 
 
+def test_publisher_names_the_transport_and_null_leaves_kvpubd_s_own() -> None:
+    """vLLM's ``publisher`` is events.publisher (which transports exist, only the daemon
+    knows: ``kvpubd serve`` checks the name); JSON null is vLLM's default, kvpubd's own here."""
+    assert map_kv_events_config({"publisher": "null"}).events == {"publisher": "null"}
+    assert map_kv_events_config({"publisher": "nats"}).events == {"publisher": "nats"}
+    assert map_kv_events_config({"publisher": None}).events == {}
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
         ({"enable_kv_cache_events": False}, "enable_kv_cache_events is false"),
-        ({"publisher": "null"}, 'publisher "null"'),
-        ({"publisher": "nats"}, "ZeroMQ only"),
+        ({"publisher": 7}, "publisher:"),
         ({"endpoint": "http://x"}, "endpoint:"),
         ({"buffer_steps": 0}, "buffer_steps:"),
         ({"hwm": "lots"}, "hwm:"),
@@ -153,7 +161,7 @@ def test_environment_beats_the_json(fresh: Daemon) -> None:
     ("config", "says"),
     [
         ('{"enable_kv_cache_events": false}', "enable_kv_cache_events is false"),
-        ('{"publisher": "null"}', "publisher"),
+        ('{"publisher": "nats"}', "events.publisher: 'nats' is no transport kvpubd has"),
         ("not json", "not valid JSON"),
     ],
 )
@@ -168,3 +176,20 @@ def test_serve_refuses_with_one_line_and_exit_2(fresh: Daemon, config: str, says
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("kvpubd: config error: kv-events-config: ") and says in line
+
+
+def test_serve_with_vllm_s_null_publisher_publishes_nowhere_and_still_counts(
+    fresh: Daemon,
+) -> None:
+    """``publisher: "null"``: no events endpoint, no replay endpoint; seqs still count."""
+    serve(fresh, json.dumps({"publisher": "null"}))
+    with ControlClient(fresh.control_endpoint) as client:
+        (endpoints,) = client.ping().endpoints
+        before = client.stats().ranks[0]
+        (marker,) = client.reset().markers
+        after = client.stats().ranks[0]
+    assert (endpoints.events, endpoints.replay) == ("", "")
+    assert (after.endpoint, after.replay_endpoint) == ("", "")
+    assert marker.seq == before.seq + 1 == after.seq
+    assert after.batches_published == before.batches_published + 1
+    assert fresh.stop() == 0

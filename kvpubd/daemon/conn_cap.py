@@ -71,11 +71,9 @@ class ConnectionCap:
         self.cap = max(1, cap)
         self.name = name
         self.connections = 0
-        self.peak = 0
-        self.pauses = 0  # times the cap was reached
-        self.kicked = 0  # connections hung up on, over the cap
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._first_drain: asyncio.Handle | None = None
 
     @classmethod
     def create(
@@ -103,7 +101,8 @@ class ConnectionCap:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         loop.add_reader(self.fd, self.drain)
-        loop.call_soon(self.drain)  # events before the reader existed do not wake it
+        # Events before the reader existed do not wake it.
+        self._first_drain = loop.call_soon(self.drain)
 
     def drain(self) -> None:
         monitor = self._monitor
@@ -120,13 +119,12 @@ class ConnectionCap:
                     # Accepted before the gate closed: hang up at once, so the fds the
                     # overshoot took are back within a turn of the loop, not a handshake
                     # timeout later.
-                    self.kicked += self.gate.hang_up(message["value"])
+                    self.gate.hang_up(message["value"])
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.observer is not None:
                     self.observer.disconnected(message["value"])
                 # Peers accepted before the monitor existed are not counted: never below 0.
                 self.connections = max(0, self.connections - 1)
-        self.peak = max(self.peak, self.connections)
         if self.gate.closed and self.connections <= self.cap * 3 // 4:
             self.gate.open()
             log.info("%s: %d connections; accepting again", self.name, self.connections)
@@ -137,7 +135,6 @@ class ConnectionCap:
         except OSError as exc:
             log.error("%s: cannot stop accepting at %d connections: %s", self.name, self.cap, exc)
             return
-        self.pauses += 1
         log.warning(
             "%s: %d connections, the cap; refusing new ones until some close", self.name, self.cap
         )
@@ -147,6 +144,8 @@ class ConnectionCap:
             self.gate.open()
         if self._loop is not None:
             self._loop.remove_reader(self.fd)
+        if self._first_drain is not None:  # a daemon stopped in the turn it started
+            self._first_drain.cancel()
         self.sock.disable_monitor()
         self._monitor.close(linger=0)
 

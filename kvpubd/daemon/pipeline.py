@@ -14,16 +14,18 @@ import numpy as np
 import zmq
 
 from kvpubd.daemon.cache import CacheError, RankCache, StoreResult
+from kvpubd.daemon.history import RESTART_OVERLAP, History, seq_origin
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import SCRUB_SLICE_BYTES, pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
-from kvpubd.daemon.publisher import RESTART_OVERLAP, Publisher, seq_origin
+from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.seq_state import SeqState, open_seq_state
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
+from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
 from kvpubd.protocol.config import Settings, rank_endpoint
 from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import BlockStored
@@ -51,35 +53,32 @@ class RankPipeline:
         self._metrics = metrics
         self._reaper = reaper
         self._flush_on_reset = events.flush_on_reset
-        endpoint = rank_endpoint(events.endpoint, rank)
         self._seq_state: SeqState | None = None
         last_seq: int | None = None
         if events.seq_origin == "continue":
-            self._seq_state = open_seq_state(events.seq_state_dir, rank, endpoint)
+            self._seq_state = open_seq_state(
+                events.seq_state_dir, rank, rank_endpoint(events.endpoint, rank)
+            )
             if self._seq_state is not None:
                 last_seq = self._seq_state.loaded.last_seq
         first_seq = seq_origin(events.seq_origin, last_seq)
-        # Sockets first: a failed bind leaves nothing but sockets, which the context closes.
+        history = History(
+            wire_format=events.wire_format,
+            rank=rank,
+            buffer_steps=events.buffer_steps,
+            first_seq=first_seq,
+            heartbeat_ms=events.heartbeat_ms,
+            # Only where this run continues another's seqs (nothing lies below a first run).
+            overlap=RESTART_OVERLAP if last_seq is not None and first_seq else 0,
+            record_seq=self._seq_state.record if self._seq_state is not None else None,
+            # Replays of history the ring no longer holds start from a snapshot batch.
+            lost_history=self.snapshot if events.replay_snapshot else None,
+        )
+        # The transport first: a failed bind leaves nothing but sockets, which the context
+        # closes.
         try:
-            self.publisher = Publisher(
-                context,
-                endpoint=endpoint,
-                replay_endpoint=rank_endpoint(events.replay_endpoint, rank)
-                if events.replay_endpoint
-                else "",
-                topic=events.topic,
-                wire_format=events.wire_format,
-                rank=rank,
-                buffer_steps=events.buffer_steps,
-                max_replays=events.max_replays,
-                hwm=events.hwm,
-                replay_framing=events.replay_framing,
-                linger_ms=settings.service.linger_ms,
-                first_seq=first_seq,
-                heartbeat_ms=events.heartbeat_ms,
-                # Only where this run continues another's seqs (nothing lies below a first run).
-                overlap=RESTART_OVERLAP if last_seq is not None and first_seq else 0,
-                record_seq=self._seq_state.record if self._seq_state is not None else None,
+            self.publisher: Publisher[Transport] = Publisher(
+                history, create_transport(TransportSetup(rank, settings, history, context))
             )
         except BaseException:
             if self._seq_state is not None:
@@ -115,9 +114,6 @@ class RankPipeline:
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
         self._scrub: asyncio.Task[None] | None = None
-        # Replays of history the ring no longer holds start from a snapshot batch.
-        if events.replay_snapshot:
-            self.publisher.lost_history = self.snapshot
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -291,17 +287,17 @@ class RankPipeline:
 
     def stats(self) -> dict[str, Any]:
         pool = self.cache.pool
-        publisher = self.publisher
+        history, transport = self.publisher.history, self.publisher.transport
         return {
             "rank": self.rank,
-            "first_seq": publisher.first_seq,
-            "seq": publisher.last_seq,
-            "batches_published": publisher.batches,
-            "events_published": publisher.events,
+            "first_seq": history.first_seq,
+            "seq": history.last_seq,
+            "batches_published": history.batches,
+            "events_published": history.events,
             "dropped_stored_blocks": self.sink.dropped_stored_blocks,
             "resets": self.resets,
-            "replay_requests": publisher.replay_requests,
-            "replays_refused": publisher.replays_refused,
+            "replay_requests": transport.replay_requests,
+            "replays_refused": transport.replays_refused,
             "blocks_capacity": pool.num_blocks,
             "blocks_used": pool.used_count,
             "blocks_free": pool.free_count,
@@ -310,8 +306,8 @@ class RankPipeline:
             "blocks_published": len(self.sink.published),
             "requests_open": len(self.cache.leases),
             "events_pending": self.sink.pending_count,
-            "endpoint": publisher.endpoint,
-            "replay_endpoint": publisher.replay_endpoint,
+            "endpoint": transport.endpoint,
+            "replay_endpoint": transport.replay_endpoint,
         }
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvpubd import __version__
 from kvpubd.daemon.pool import check_device
+from kvpubd.daemon.transports import check_transport
 from kvpubd.protocol.auth import check_curve_settings
 from kvpubd.protocol.config import (
     ConfigError,
@@ -72,7 +73,13 @@ def resolve(
     raises ConfigError (one line)."""
     level = log_level_option(log_level) if log_level is not None else None
     kv_events = load_kv_events_config(kv_events_config) if kv_events_config else None
+    if kv_events is not None and "publisher" in kv_events.events:
+        try:
+            check_transport(kv_events.events["publisher"])
+        except ConfigError as exc:
+            raise ConfigError(f"kv-events-config: {exc}") from None
     settings = _settings(path, level, kv_events)
+    check_transport(settings.events.publisher)
     try:
         check_device(settings.cache.device)
     except ValueError as exc:

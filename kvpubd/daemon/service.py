@@ -219,7 +219,7 @@ class Service:
             log.info(
                 "rank %d: events on %s, replay on %s",
                 pipeline.rank,
-                publisher.endpoint,
+                publisher.endpoint or "(nowhere)",
                 publisher.replay_endpoint or "(off)",
             )
             publisher.start()
@@ -337,12 +337,8 @@ class Service:
         assert self.control is not None and self.control.socket is not None
         listeners = [(self.control.socket, self.control_endpoint, "control")]
         for pipeline in self.pipelines:
-            publisher = pipeline.publisher
-            listeners.append((publisher.pub, publisher.endpoint, f"rank {pipeline.rank} events"))
-            if publisher.replay is not None:
-                listeners.append(
-                    (publisher.replay, publisher.replay_endpoint, f"rank {pipeline.rank} replay")
-                )
+            for sock, bound, what in pipeline.publisher.listeners():
+                listeners.append((sock, bound, f"rank {pipeline.rank} {what}"))
         metrics_on = bool(self.settings.metrics.port)
         cap = resources.fd_budget(len(listeners) + metrics_on)
         loop = asyncio.get_running_loop()

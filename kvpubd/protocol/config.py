@@ -62,6 +62,10 @@ class _Section(BaseModel):
 
 
 class EventsConfig(_Section):
+    # How batches travel (vLLM's KVEventsConfig.publisher): "zmq" (PUB + replay ROUTER on the
+    # endpoints below) or "null" (nowhere; seqs still count). The daemon checks the name
+    # against its transports (kvpubd.daemon.transports).
+    publisher: str = "zmq"
     endpoint: str = "tcp://*:5557"
     # Empty string turns replay off. The default sits 100 ports above the PUB range so that
     # up to 64 ranks never collide.

@@ -18,12 +18,12 @@ from pydantic import ValidationError
 from kvpubd.protocol.config import ConfigError, EventsConfig, describe_validation_error
 
 # KVEventsConfig's fields that map onto [events] keys of the same meaning and name.
-MAPPED = ("endpoint", "replay_endpoint", "buffer_steps", "hwm", "topic")
+MAPPED = ("publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm", "topic")
 # Fields that have no counterpart here, with why.
 IGNORED = {
     "max_queue_size": "kvpubd has no queue between capture and publisher (each tick publishes)",
 }
-CHECKED = ("enable_kv_cache_events", "publisher")
+CHECKED = ("enable_kv_cache_events",)
 FIELDS = (*CHECKED, *MAPPED, *IGNORED)
 
 
@@ -74,13 +74,9 @@ def map_kv_events_config(data: Any) -> KvEventsMapping:
             f"kv-events-config: enable_kv_cache_events is {json.dumps(enable)}: "
             "with it vLLM publishes nothing; kvpubd exists to publish (set it to true)"
         )
-    publisher = data.get("publisher")
-    if publisher not in (None, "zmq"):
-        raise ConfigError(
-            f"kv-events-config: publisher {json.dumps(publisher)}: kvpubd publishes over "
-            'ZeroMQ only ("zmq")'
-        )
     events = {key: data[key] for key in MAPPED if key in data}
+    if events.get("publisher", "") is None:
+        del events["publisher"]  # vLLM's null: its default, here kvpubd's own setting
     if "replay_endpoint" in events and events["replay_endpoint"] is None:
         events["replay_endpoint"] = ""  # vLLM's null: no replay socket
     try:

@@ -67,7 +67,7 @@ def measure_publisher(batches: int, events_per_batch: int, rounds: int) -> dict[
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="kvpb") as tmp:
         seq_state = SeqState.open(Path(tmp) / "rank0.seq")
-        publisher = Publisher(
+        publisher = Publisher.over_zmq(
             ctx,
             endpoint=f"ipc://{tmp}/ours",
             hwm=0,

@@ -317,7 +317,7 @@ def measure_against_vllm(
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="kvpv") as tmp:
         ours_ep, vllm_ep = f"ipc://{tmp}/ours", f"ipc://{tmp}/vllm"
-        publisher = Publisher(ctx, endpoint=ours_ep, buffer_steps=10_000)
+        publisher = Publisher.over_zmq(ctx, endpoint=ours_ep, buffer_steps=10_000)
         peer = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=vllm_ep, buffer_steps=10_000)
         batch_type = kv.KVEventBatch
         sides = [
