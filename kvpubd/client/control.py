@@ -21,7 +21,6 @@ import zmq.asyncio
 from kvpubd.client import replies as ops
 from kvpubd.client.replies import Call, ControlError
 from kvpubd.protocol.control import (
-    BadReply,
     ControlReply,
     ControlRequest,
     encode_request,
@@ -120,10 +119,7 @@ class _Client(Generic[ContextT]):
     @staticmethod
     def _typed(call: Call[R], reply: ReplyMap) -> R:
         """The reply map as the call's reply type; ControlError ``bad_reply`` if it is not."""
-        try:
-            return reply_fields(reply, call.reply)
-        except BadReply as exc:
-            raise ControlError("bad_reply", f"{op_of(call.request)} reply: {exc}") from None
+        return reply_fields(reply, call.reply, op_of(call.request))
 
     def _cannot_send(self) -> ControlTimeout:
         return ControlTimeout(f"cannot send to {self.endpoint}")

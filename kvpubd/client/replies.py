@@ -16,6 +16,7 @@ import numpy as np
 from kvpubd.protocol.control import (
     Checksum,
     ChecksumReply,
+    ControlError,
     ControlReply,
     ControlRequest,
     Marker,
@@ -62,16 +63,6 @@ __all__ = [
 T = TypeVar("T", bound=ControlReply)
 
 RequestId = str | int
-
-
-class ControlError(Exception):
-    """The daemon refused a request (``code`` is its error code), or answered something this
-    client cannot read (code ``bad_reply``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)

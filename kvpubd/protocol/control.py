@@ -16,7 +16,7 @@ Parsing request frames (locating long integer arrays without decoding them) is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, TypeVar, get_args
 
 import msgpack
@@ -118,10 +118,17 @@ def op_of(request: ControlRequest) -> str:
 
 # -- replies --------------------------------------------------------------------------------
 
+R = TypeVar("R", bound="ControlReply")
+
 
 class ControlReply(msgspec.Struct, frozen=True):
     """Base of the replies: the fields beside ``ok`` and ``id``. Decoding ignores fields it
     does not know, so a newer daemon that adds some still answers an older client."""
+
+    @classmethod
+    def parse(cls: type[R], reply: Mapping[str, Any]) -> R:
+        """This reply from a decoded reply map; ControlError ``bad_reply`` if it is not one."""
+        return reply_fields(reply, cls, cls.__name__)
 
 
 class RankEndpoints(msgspec.Struct, frozen=True):
@@ -312,32 +319,31 @@ def error_reply(request_id: Any, code: str, message: str) -> bytes:
 
 # -- decoding replies -----------------------------------------------------------------------
 
-R = TypeVar("R", bound=ControlReply)
+
+class ControlError(Exception):
+    """The daemon refused a request (``code`` is its error code), or answered something this
+    side cannot read (code ``bad_reply``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
 
 
-class BadReply(ValueError):
-    """A reply this side cannot read."""
-
-
-def reply_fields(reply: dict[str, Any], reply_type: type[R]) -> R:
-    """The typed reply from a decoded ok reply map; BadReply names what is wrong."""
-    convert: Callable[[dict[str, Any]], Any] = _CONVERTERS.get(reply_type, _convert_to(reply_type))
+def reply_fields(reply: Mapping[str, Any], reply_type: type[R], op: str) -> R:
+    """The typed reply from a decoded ok reply map (extra keys ignored); ControlError
+    ``bad_reply`` names what is wrong."""
+    convert = _CONVERTERS.get(reply_type, msgspec.convert)
     try:
-        return convert(reply)  # type: ignore[no-any-return]
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise BadReply(
-            describe(exc) if isinstance(exc, msgspec.ValidationError) else str(exc)
-        ) from None
+        return convert(reply, reply_type)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        problem = describe(exc)
+    except ValueError as exc:  # an event of a snapshot
+        problem = str(exc)
+    raise ControlError("bad_reply", f"{op} reply: {problem}")
 
 
-def _convert_to(reply_type: type[R]) -> Callable[[dict[str, Any]], R]:
-    def convert(reply: dict[str, Any]) -> R:
-        return msgspec.convert(reply, reply_type)
-
-    return convert
-
-
-def _snapshot_reply(reply: dict[str, Any]) -> SnapshotReply:
+def _snapshot_reply(reply: Mapping[str, Any], _: object) -> SnapshotReply:
     # The events come in either wire form: each one decoded as a stream subscriber would.
     events = reply.get("events")
     if not isinstance(events, list):
@@ -345,7 +351,7 @@ def _snapshot_reply(reply: dict[str, Any]) -> SnapshotReply:
     return msgspec.convert({**reply, "events": list(map(event_from_wire, events))}, SnapshotReply)
 
 
-_CONVERTERS: dict[type[ControlReply], Callable[[dict[str, Any]], Any]] = {
+_CONVERTERS: dict[type[ControlReply], Callable[[Mapping[str, Any], Any], Any]] = {
     SnapshotReply: _snapshot_reply,
 }
 
