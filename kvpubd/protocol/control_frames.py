@@ -19,6 +19,7 @@ import msgspec
 from kvpubd.protocol.control import (
     INT_LIST_FIELDS,
     OPS,
+    REQUEST_TYPES,
     Checksum,
     Request,
     Store,
@@ -51,6 +52,7 @@ _READ_BYTES = 64 << 10
 _DECODE_FOR_MESSAGE_BYTES = 64 << 10
 
 _decoder = msgspec.msgpack.Decoder(Request)
+REQUEST_TYPE_OF: dict[str, Any] = dict(zip(OPS, REQUEST_TYPES, strict=True))
 _EXPECTED = {
     "token_ids": "a list of integers or packed uint32 bytes",
     "block_ids": "a list of integers",
@@ -88,7 +90,8 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
         if field in obj and not isinstance(obj[field], msgspec.Raw):
             raise ProtocolError("bad_request", f"{field}: expected {_EXPECTED[field]}", request_id)
     try:
-        request = msgspec.convert(obj, Request)  # type: ignore[arg-type]
+        # To the op's own type: converting to the union costs ~30 us a call.
+        request = msgspec.convert(obj, REQUEST_TYPE_OF[op])
     except msgspec.ValidationError as exc:
         raise ProtocolError("bad_request", describe(exc), request_id) from None
     _check_int_lists(request, max_tokens)
