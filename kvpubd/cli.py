@@ -8,7 +8,6 @@ terminated)."""
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -280,7 +279,7 @@ def stats(
     client = _client(control, timeout, curve_key, server_key)
     with client, _talking_to(client):
         reply = client.stats()
-    typer.echo(json.dumps(dataclasses.asdict(reply), indent=2))
+    typer.echo(json.dumps(_reply_json(reply), indent=2))
 
 
 @app.command()
@@ -294,7 +293,14 @@ def ping(
     client = _client(control, timeout, curve_key, server_key)
     with client, _talking_to(client):
         reply = client.ping()
-    typer.echo(json.dumps(dataclasses.asdict(reply)))
+    typer.echo(json.dumps(_reply_json(reply)))
+
+
+def _reply_json(reply: object) -> object:
+    """A control reply (a msgspec struct) as JSON values, its fields in declaration order."""
+    import msgspec
+
+    return msgspec.to_builtins(reply)
 
 
 def _text(value: object) -> str:

@@ -22,6 +22,7 @@ from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.protocol.config import CacheConfig
+from kvpubd.protocol.control import Store, packed_uint32
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
@@ -284,8 +285,9 @@ async def test_a_refused_large_store_leaves_nothing_behind() -> None:
     alive = weakref.ref(tokens)
     gc.disable()
     try:
-        result = queue.submit("too-big", tokens, None, None, None)
-        del tokens
+        request = Store(request_id="too-big", token_ids=packed_uint32(tokens.tobytes()))
+        result = queue.submit(request, tokens)
+        del tokens, request
         errors: list[BaseException | None] = []
         result.then(lambda _value, error: errors.append(error))
         for _ in range(10_000):

@@ -12,10 +12,10 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import msgpack
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -131,7 +131,7 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
     assert value(after, "kvpubd_replay_requests_total", rank="0") == stats.replay_requests >= 1
     # Every number `stats` reports is exported under its own name: kvpubd_<key> (a gauge) or
     # kvpubd_<key>_total (a counter); events_published is split by type.
-    for key, number in asdict(stats).items():
+    for key, number in msgspec.structs.asdict(stats).items():
         if key == "rank" or not isinstance(number, int):
             continue
         if key == "events_published":

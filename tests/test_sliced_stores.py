@@ -15,11 +15,11 @@ import msgpack
 import pytest
 
 from kvpubd.daemon.cache import Lease
-from kvpubd.daemon.encoded import EncodedArray, ok_reply
+from kvpubd.daemon.encoded import EncodedArray, reply_ids
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import FLUSH_BLOCKS
 from kvpubd.daemon.stores import MAX_QUEUED, REQUEST_UNITS, SLICE_BLOCKS, SYNC_BLOCKS, TURN_UNITS
-from kvpubd.protocol import control
+from kvpubd.protocol.control import StoreReply, ok_reply
 from kvpubd.protocol.wire import AllBlocksCleared, BlockStored
 from tests.inprocess import InProcess, in_process
 from tests.streams import BLOCK_SIZE, packed_prompt, prompt
@@ -283,7 +283,4 @@ def test_ids_encoded_in_slices_are_the_array_msgpack_encodes(count: int) -> None
         encoded.extend(ids[start : start + 7_000])
     assert encoded.encode() == msgpack.packb(ids)
     assert encoded.decode() == ids
-    fields = {"rank": 0, "num_cached_tokens": 16}
-    assert ok_reply(7, {**fields, "block_ids": encoded}) == control.ok_reply(
-        7, **fields, block_ids=ids
-    )
+    assert ok_reply(7, StoreReply(0, reply_ids(encoded), 16)) == ok_reply(7, StoreReply(0, ids, 16))

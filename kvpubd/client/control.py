@@ -14,11 +14,19 @@ from pathlib import Path
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import msgpack
+import msgspec
 import zmq
 import zmq.asyncio
 
 from kvpubd.client import replies as ops
-from kvpubd.client.replies import Call, ControlError, ReplyMap
+from kvpubd.client.replies import Call, ControlError
+from kvpubd.protocol.control import (
+    ControlReply,
+    ControlRequest,
+    encode_request,
+    op_of,
+    reply_fields,
+)
 from kvpubd.protocol.endpoints import (
     check_endpoint,
     default_control_endpoint,
@@ -27,8 +35,11 @@ from kvpubd.protocol.endpoints import (
 
 __all__ = ["AsyncControlClient", "ControlClient", "ControlError", "ControlTimeout"]
 
-T = TypeVar("T")
+R = TypeVar("R", bound=ControlReply)
 P = ParamSpec("P")
+# A reply map as decoded, before it is read as its op's reply type.
+ReplyMap = dict[str, Any]
+_decode_reply = msgspec.msgpack.Decoder()
 ContextT = TypeVar("ContextT", zmq.Context[zmq.Socket[bytes]], zmq.asyncio.Context)
 
 Curve = tuple[Path, Path]  # (this client's secret certificate, the daemon's public one)
@@ -87,13 +98,28 @@ class _Client(Generic[ContextT]):
         if self._own_context:
             self._context.term()
 
-    def _frame(self, op: str, fields: dict[str, object]) -> tuple[int, list[bytes]]:
+    def _frame(self, request: ControlRequest) -> tuple[int, list[bytes]]:
+        """The request's id and frames (the id is this connection's next)."""
+        path = missing_ipc_socket(self.endpoint)
+        if path is not None:
+            raise ControlTimeout(f"no control socket at {path}")
+        request_id = next(self._ids)
+        body = encode_request(msgspec.structs.replace(request, id=request_id))
+        return request_id, [b"", body]
+
+    def _raw_frame(self, op: str, fields: dict[str, object]) -> tuple[int, list[bytes]]:
+        """Frames of a request map as given, unchecked (protocol tests send bad ones)."""
         path = missing_ipc_socket(self.endpoint)
         if path is not None:
             raise ControlTimeout(f"no control socket at {path}")
         request_id = next(self._ids)
         body = msgpack.packb({"op": op, "id": request_id, **fields}, use_bin_type=True)
         return request_id, [b"", body]
+
+    @staticmethod
+    def _typed(call: Call[R], reply: ReplyMap) -> R:
+        """The reply map as the call's reply type; ControlError ``bad_reply`` if it is not."""
+        return reply_fields(reply, call.reply, op_of(call.request))
 
     def _cannot_send(self) -> ControlTimeout:
         return ControlTimeout(f"cannot send to {self.endpoint}")
@@ -106,8 +132,8 @@ class _Client(Generic[ContextT]):
         """The reply map if ``frames`` answer ``request_id`` (None: another request's reply);
         ControlError when the daemon refused it."""
         try:
-            reply = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
-        except (ValueError, msgpack.ExtraData):
+            reply = _decode_reply.decode(frames[-1])
+        except msgspec.DecodeError:
             return None
         if not isinstance(reply, dict) or reply.get("id") != request_id:
             return None
@@ -135,22 +161,22 @@ def _like(method: M, op: Callable[..., object]) -> M:
 
 
 def _blocking(
-    op: Callable[P, Call[T]],
-) -> Callable[Concatenate[ControlClient, P], T]:
+    op: Callable[P, Call[R]],
+) -> Callable[Concatenate[ControlClient, P], R]:
     """The op as a ControlClient method: same parameters, the typed reply."""
 
-    def method(self: ControlClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+    def method(self: ControlClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._run(op(*args, **kwargs))
 
     return _like(method, op)
 
 
 def _awaited(
-    op: Callable[P, Call[T]],
-) -> Callable[Concatenate[AsyncControlClient, P], Coroutine[Any, Any, T]]:
+    op: Callable[P, Call[R]],
+) -> Callable[Concatenate[AsyncControlClient, P], Coroutine[Any, Any, R]]:
     """The op as an AsyncControlClient coroutine method."""
 
-    async def method(self: AsyncControlClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+    async def method(self: AsyncControlClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self._run(op(*args, **kwargs))
 
     return _like(method, op)
@@ -181,12 +207,15 @@ class ControlClient(_Client[zmq.Context[zmq.Socket[bytes]]]):
     pool_info = _blocking(ops.pool_info)
     checksum = _blocking(ops.checksum)
 
-    def _run(self, call: Call[T]) -> T:
-        return call.parse(self._call(call.op, **call.fields))
+    def _run(self, call: Call[R]) -> R:
+        return self._typed(call, self._exchange(*self._frame(call.request)))
 
     def _call(self, op: str, **fields: object) -> ReplyMap:
-        """Send one request as given; the reply map, or ControlError / ControlTimeout."""
-        request_id, frames = self._frame(op, fields)
+        """Send one request map as given, unchecked; the reply map, or ControlError /
+        ControlTimeout (protocol tests)."""
+        return self._exchange(*self._raw_frame(op, fields))
+
+    def _exchange(self, request_id: int, frames: list[bytes]) -> ReplyMap:
         self._send_raw(frames[1:])
         deadline = time.monotonic() + self.timeout
         while True:
@@ -245,11 +274,14 @@ class AsyncControlClient(_Client[zmq.asyncio.Context]):
     pool_info = _awaited(ops.pool_info)
     checksum = _awaited(ops.checksum)
 
-    async def _run(self, call: Call[T]) -> T:
-        return call.parse(await self._call(call.op, **call.fields))
+    async def _run(self, call: Call[R]) -> R:
+        return self._typed(call, await self._exchange(*self._frame(call.request)))
 
     async def _call(self, op: str, **fields: object) -> ReplyMap:
-        request_id, frames = self._frame(op, fields)
+        """The asyncio form of ControlClient._call."""
+        return await self._exchange(*self._raw_frame(op, fields))
+
+    async def _exchange(self, request_id: int, frames: list[bytes]) -> ReplyMap:
         deadline = time.monotonic() + self.timeout
         # pyzmq's stub of the asyncio poll() lacks its flags argument.
         writable = self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT)  # type: ignore[call-arg]

@@ -13,6 +13,7 @@ from kvpubd.daemon.pool import create_pool
 from kvpubd.daemon.radix import ROOT, RadixIndex
 from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
 from kvpubd.protocol.config import CacheConfig
+from kvpubd.protocol.control import Store
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
 from kvpubd.protocol.wire import BlockStored
 
@@ -103,19 +104,13 @@ class RankCache:
     def pinned_blocks(self) -> int:
         return len(self.index) - self.index.unpinned + self.tail_blocks
 
-    def store(
-        self,
-        request_id: RequestId,
-        tokens: np.ndarray,
-        lora_id: int | None = None,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-    ) -> StoreResult:
-        """Match the cached prefix, allocate and pin the rest, in one step."""
+    def store(self, request: Store, tokens: np.ndarray) -> StoreResult:
+        """Match the cached prefix, allocate and pin the rest, in one step (``tokens``: the
+        request's, decoded)."""
         algorithm = self.hash_algorithm
-        root = root_key(lora_id, cache_salt, algorithm)
+        root = root_key(request.lora_id, request.cache_salt, algorithm)
         digests = chain_digests(tokens, self.block_size, root, algorithm)
-        plan = self.begin_store(request_id, tokens, digests, lora_id, lora_name, cache_salt)
+        plan = self.begin_store(request, tokens, digests)
         everything = len(digests)
         self.match_some(plan, everything)
         self.check_room(plan)
@@ -124,23 +119,17 @@ class RankCache:
         return self.finish_store(plan)
 
     def begin_store(
-        self,
-        request_id: RequestId,
-        tokens: np.ndarray,
-        digests: list[bytes],
-        lora_id: int | None,
-        lora_name: str | None,
-        cache_salt: str | None,
-        in_slices: bool = False,
+        self, request: Store, tokens: np.ndarray, digests: list[bytes], in_slices: bool = False
     ) -> StorePlan:
         """A plan for a store; nothing changes yet."""
+        request_id = request.request_id
         if request_id in self.leases:
             raise CacheError("duplicate_request", f"request {request_id!r} is already open")
         return StorePlan(
             request_id,
             tokens,
             digests,
-            store_keys(lora_id, lora_name, cache_salt),
+            store_keys(request.lora_id, request.lora_name, request.cache_salt),
             len(tokens) % self.block_size != 0,
             self.generation,
             reply_ids=EncodedArray() if in_slices else None,

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
 
 import msgpack
 import numpy as np
 
 
-async def checksum_reply(
-    head: dict[str, Any], count: int, steps: Iterator[np.ndarray | None]
-) -> bytes:
-    """The reply map ``head`` plus ``checksums``: the ``count`` sums the steps yield, one step
-    per loop turn."""
+async def checksum_reply(head: bytes, count: int, steps: Iterator[np.ndarray | None]) -> bytes:
+    """The reply: ``head`` (the encoded reply up to its ``checksums`` array, see
+    ``control.ok_reply_head``), then the ``count`` sums the steps yield, one step per loop
+    turn."""
     packer = msgpack.Packer(use_bin_type=True)
-    parts = [packer.pack_map_header(len(head) + 1)]
-    for key, value in head.items():
-        parts += (packer.pack(key), packer.pack(value))
-    parts += (packer.pack("checksums"), packer.pack_array_header(count))
+    parts = [head, packer.pack_array_header(count)]
     for sums in steps:
         if sums is not None:
             parts.append(_array_items(packer, sums.tolist()))

@@ -27,14 +27,8 @@ from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, listener, readable, reader_fd
 from kvpubd.protocol.auth import CurveServer
 from kvpubd.protocol.config import ControlConfig
-from kvpubd.protocol.control import (
-    ProtocolError,
-    Request,
-    Snapshot,
-    error_reply,
-    parse_request,
-    peek_id,
-)
+from kvpubd.protocol.control import Request, Snapshot, error_reply, op_of
+from kvpubd.protocol.control_frames import ProtocolError, parse_request, peek_id
 
 log = logging.getLogger("kvpubd")
 
@@ -195,7 +189,7 @@ class ControlServer:
             self._metrics.refused(exc.code)
             log.debug("control: refused a request: %s: %s", exc.code, exc.message)
             return error_reply(exc.request_id, exc.code, exc.message)
-        log.debug("control: %s (id %r)", request.op, request.id)
+        log.debug("control: %s (id %r)", op_of(request), request.id)
         if isinstance(request, Snapshot):
             return self._snapshot(frames[0], request)
         return self._handler(request, owner)
@@ -220,7 +214,7 @@ class ControlServer:
         waits for that first, and a further one meanwhile is refused ``busy``."""
         key = (identity, request.rank)
         if key in self._snapshots or identity in self._deferred:
-            self._metrics.control(request.op, "busy")
+            self._metrics.control(op_of(request), "busy")
             return error_reply(
                 request.id, "busy", "this client's last snapshot is not sent yet: read it first"
             )

@@ -16,7 +16,7 @@ import logging
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvpubd import __version__
+from kvpubd.protocol.control import RankStats
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class RankLike(Protocol):
 
     rank: int
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> RankStats: ...
 
 
 class Metrics:
@@ -227,7 +228,7 @@ class _StateCollector(Collector):
         for stats in ranks:
             for kind in EVENT_TYPES.values():
                 events.add_metric(
-                    [str(stats["rank"]), kind], metrics.events.get((stats["rank"], kind), 0)
+                    [str(stats.rank), kind], metrics.events.get((stats.rank, kind), 0)
                 )
         yield events
 
@@ -285,9 +286,9 @@ def _per_rank(
     family: type[CounterMetricFamily] | type[GaugeMetricFamily],
     key: str,
     help_text: str,
-    ranks: list[dict[str, Any]],
+    ranks: list[RankStats],
 ) -> Metric:
     metric = family(f"kvpubd_{key}", help_text, labels=["rank"])
     for stats in ranks:
-        metric.add_metric([str(stats["rank"])], stats[key])
+        metric.add_metric([str(stats.rank)], getattr(stats, key))
     return metric

@@ -8,7 +8,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TypeVar
 
 import msgpack
 import numpy as np
@@ -18,7 +19,6 @@ from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.checksums import checksum_reply
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.decoding import decode_in_slices, decode_tokens
-from kvpubd.daemon.encoded import ok_reply as encoded_ok_reply
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
@@ -27,24 +27,67 @@ from kvpubd.daemon.snapshot import Buffer, assemble
 from kvpubd.daemon.snapshot import Snapshot as SnapshotData
 from kvpubd.protocol.config import Settings
 from kvpubd.protocol.control import (
+    REQUEST_TYPES,
     Checksum,
+    ChecksumReply,
+    ControlReply,
+    ControlRequest,
+    Marker,
     Pause,
+    PauseReply,
     Ping,
+    PingReply,
     PoolInfo,
+    PoolInfoRequest,
+    RankEndpoints,
     Release,
+    ReleaseReply,
     Request,
     Reset,
+    ResetReply,
     Resume,
     Snapshot,
+    SnapshotReply,
     Stats,
+    StatsReply,
     Store,
+    StoreReply,
     error_reply,
     ok_reply,
+    ok_reply_head,
+    op_of,
 )
 from kvpubd.protocol.hashing import token_count, tokens_array
-from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray
+from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray, located
 
 log = logging.getLogger("kvpubd")
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A reply its handler encodes itself, streamed across loop turns (a snapshot, a
+    checksum): sent as it settles."""
+
+    reply: Pending[bytes] | Pending[Buffer]
+
+
+# What a handler answers: the reply, the reply to come, or one it encodes itself.
+Answer = ControlReply | Pending[StoreReply] | Pending[ReleaseReply] | Encoded
+HandlerT = TypeVar("HandlerT", bound=Callable[..., Answer])
+# The handler of each request type: (operations, request, the client that sent it).
+_HANDLERS: dict[type[ControlRequest], Callable[..., Answer]] = {}
+
+
+def handles(*request_types: type[ControlRequest]) -> Callable[[HandlerT], HandlerT]:
+    """Register an Operations method as the handler of ``request_types``."""
+
+    def register(handler: HandlerT) -> HandlerT:
+        for request_type in request_types:
+            assert request_type not in _HANDLERS, request_type
+            _HANDLERS[request_type] = handler
+        return handler
+
+    return register
 
 
 class Operations:
@@ -65,50 +108,37 @@ class Operations:
             self._release_orphan,
             control.orphan_grace_ms / 1000 if control.release_orphans else None,
         )
-        self._ops: dict[type, Callable[[Any], dict[str, Any] | Pending[dict[str, Any]]]] = {
-            Ping: self.ping,
-            Stats: self.stats,
-            Store: self.store,
-            Release: self.release,
-            Reset: self.reset,
-            Pause: self.pause,
-            Resume: self.pause,
-            PoolInfo: self.pool_info,
-        }
 
     def handle(self, request: Request, owner: Owner | None = None) -> Reply:
         """The reply to one parsed request from ``owner`` (the client, where it can be told:
         its open requests are released when it goes away); a refusal or a bug is answered,
-        never raised. A snapshot is answered later, through a future."""
+        never raised. Work that takes several loop turns is answered later."""
         error_code: str | None = None
         try:
-            if isinstance(request, Snapshot):
-                return self.snapshot(request)
-            if isinstance(request, Checksum):
-                return self.checksum(request)
-            if isinstance(request, Store):
-                result = self.store(request, owner)
-            else:
-                result = self._ops[type(request)](request)
-            if isinstance(result, Pending):
-                return self._later(request, result)
-            return ok_reply(request.id, **result)
+            answer = _HANDLERS[type(request)](self, request, owner)
+            if isinstance(answer, ControlReply):
+                return ok_reply(request.id, answer)
+            if isinstance(answer, Encoded):
+                return answer.reply
+            return self._later(request, answer)
         except CacheError as exc:
             error_code = exc.code
             return error_reply(request.id, exc.code, exc.message)
         except Exception as exc:  # a bug: answer it, keep serving
             error_code = "internal"
-            log.exception("control: %s failed", request.op)
+            log.exception("control: %s failed", op_of(request))
             return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
         finally:
-            self._metrics.control(request.op, error_code)
+            self._metrics.control(op_of(request), error_code)
 
-    def _later(self, request: Request, pending: Pending[dict[str, Any]]) -> Pending[bytes]:
+    def _later(
+        self, request: Request, pending: Pending[StoreReply] | Pending[ReleaseReply]
+    ) -> Pending[bytes]:
         """The reply to a request whose op finishes on a later loop turn, made the moment
         it finishes."""
 
-        def answer(fields: dict[str, Any]) -> bytes:
-            return encoded_ok_reply(request.id, fields)
+        def answer(reply: ControlReply) -> bytes:
+            return ok_reply(request.id, reply)
 
         return self._settled(request, pending.map(answer))
 
@@ -125,7 +155,7 @@ class Operations:
             elif isinstance(exc, CacheError):
                 reply.resolve(error_reply(request.id, exc.code, exc.message))
             else:
-                log.error("control: %s failed: %r", request.op, exc)
+                log.error("control: %s failed: %r", op_of(request), exc)
                 reply.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
 
         pending.then(settle)
@@ -142,39 +172,33 @@ class Operations:
             raise CacheError("bad_request", f"rank: {rank} is not served (ranks: {served})")
         return pipelines[rank - first]
 
-    def ping(self, request: Ping) -> dict[str, Any]:
-        return {
-            "version": __version__,
-            "epoch": self.epoch,
-            "ranks": len(self.pipelines),
-            "endpoints": [
-                {
-                    "rank": p.rank,
-                    "events": p.publisher.endpoint,
-                    "replay": p.publisher.replay_endpoint,
-                }
-                for p in self.pipelines
-            ],
-        }
+    @handles(Ping)
+    def ping(self, request: Ping, owner: Owner | None) -> PingReply:
+        endpoints = [
+            RankEndpoints(p.rank, p.publisher.endpoint, p.publisher.replay_endpoint)
+            for p in self.pipelines
+        ]
+        return PingReply(__version__, self.epoch, len(self.pipelines), endpoints)
 
-    def stats(self, request: Stats) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "paused": self.paused,
-            "ranks": [p.stats() for p in self.pipelines],
-        }
+    @handles(Stats)
+    def stats(self, request: Stats, owner: Owner | None) -> StatsReply:
+        return StatsReply(self.epoch, self.paused, [p.stats() for p in self.pipelines])
 
-    def pause(self, request: Pause | Resume) -> dict[str, Any]:
+    @handles(Pause, Resume)
+    def pause(self, request: Pause | Resume, owner: Owner | None) -> PauseReply:
         self.paused = isinstance(request, Pause)
         log.info("periodic drain %s", "paused" if self.paused else "resumed")
-        return {"paused": self.paused}
+        return PauseReply(self.paused)
 
-    def store(
-        self, request: Store, owner: Owner | None = None
-    ) -> dict[str, Any] | Pending[dict[str, Any]]:
+    @handles(Store)
+    def store(self, request: Store, owner: Owner | None) -> StoreReply | Pending[StoreReply]:
         pipeline = self._pipeline(request.rank)
         limit = self.settings.control.max_tokens_per_request
-        count = token_count(request.token_ids)
+        try:
+            token_ids = located(request.token_ids)
+        except ValueError:  # parse_request refused it already
+            raise CacheError("bad_request", "token_ids: not a list of integers") from None
+        count = token_count(token_ids)
         if count > limit:
             raise CacheError("too_large", f"token_ids: {count} tokens; the limit is {limit}")
         blocks = count // self.settings.cache.block_size
@@ -189,19 +213,17 @@ class Operations:
         if any(p.has_request(request.request_id) for p in self.pipelines):
             raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
         tokens: np.ndarray | IntArray
-        if isinstance(request.token_ids, bytes):
+        if isinstance(token_ids, bytes):
             try:
-                tokens = tokens_array(request.token_ids)
+                tokens = tokens_array(token_ids)
             except ValueError as exc:
                 raise CacheError("bad_request", f"token_ids: {exc}") from None
         elif count <= DECODE_SLICE:  # one slice: no need to wait for a later loop turn
-            tokens = decode_tokens(request.token_ids)
+            tokens = decode_tokens(token_ids)
         else:
-            tokens = request.token_ids
+            tokens = token_ids
         # A longer list is decoded a slice per loop turn by the rank's store queue.
-        stored = pipeline.store(
-            request.request_id, tokens, request.lora_id, request.lora_name, request.cache_salt
-        )
+        stored = pipeline.store(request, tokens)
         self.owners.claim(owner, request.request_id)
         if isinstance(stored, Pending):
             request_id = request.request_id
@@ -213,7 +235,10 @@ class Operations:
             stored.then(opened_nothing)
         return stored
 
-    def release(self, request: Release) -> dict[str, Any] | Pending[dict[str, Any]]:
+    @handles(Release)
+    def release(
+        self, request: Release, owner: Owner | None
+    ) -> ReleaseReply | Pending[ReleaseReply]:
         self.owners.drop(request.request_id)
         for pipeline in self.pipelines:
             if pipeline.has_request(request.request_id):
@@ -230,7 +255,8 @@ class Operations:
                     log.debug("release of orphan %r: %s", request_id, exc.message)
                 return
 
-    def reset(self, request: Reset) -> dict[str, Any]:
+    @handles(Reset)
+    def reset(self, request: Reset, owner: Owner | None) -> ResetReply:
         targets = self.pipelines if request.rank is None else [self._pipeline(request.rank)]
         if not request.force:
             busy = [p for p in targets if p.open_requests]
@@ -242,24 +268,25 @@ class Operations:
                     f"{', '.join(str(p.rank) for p in busy)}; release them or pass force",
                 )
         started = time.perf_counter()
-        markers = [{"rank": p.rank, "seq": p.reset()} for p in targets]
+        markers = [Marker(p.rank, p.reset()) for p in targets]
         elapsed = time.perf_counter() - started
         self._metrics.reset_done(elapsed)
         log.info(
             "reset rank(s) %s in %.0f us: markers %s",
             ", ".join(str(p.rank) for p in targets),
             elapsed * 1e6,
-            ", ".join(f"{m['rank']}:{m['seq']}" for m in markers),
+            ", ".join(f"{m.rank}:{m.seq}" for m in markers),
         )
-        return {"markers": markers}
+        return ResetReply(markers)
 
-    def snapshot(self, request: Snapshot) -> Pending[Buffer]:
+    @handles(Snapshot)
+    def snapshot(self, request: Snapshot, owner: Owner | None) -> Encoded:
         """Answered once the rank's snapshot job is done and its reply put together, both a
         slice per loop turn: a snapshot never holds the loop."""
         pipeline = self._pipeline(request.rank)
         job = pipeline.snapshot().result
         reply = asyncio.ensure_future(self._snapshot_reply(request, pipeline.rank, job))
-        return Pending.of_future(reply)
+        return Encoded(Pending.of_future(reply))
 
     async def _snapshot_reply(
         self, request: Snapshot, rank: int, job: asyncio.Future[SnapshotData]
@@ -270,30 +297,37 @@ class Operations:
             log.debug("snapshot of rank %d failed: %r", rank, exc)
             error = error_reply(request.id, "internal", f"snapshot failed: {exc!r}")
             return memoryview(error)
-        packer = msgpack.Packer(use_bin_type=True)
-        head = {"ok": True, "id": request.id, "rank": rank, "seq": snapshot.seq}
-        parts = [packer.pack_map_header(len(head) + 2)]
-        for key, value in (*head.items(), ("epoch", self.epoch)):
-            parts += (packer.pack(key), packer.pack(value))
-        parts += (packer.pack("events"), packer.pack_array_header(snapshot.count))
-        return await assemble([b"".join(parts), *snapshot.chunks])
+        head = ok_reply_head(request.id, SnapshotReply(rank, snapshot.seq, self.epoch, []))
+        events = msgpack.Packer().pack_array_header(snapshot.count)
+        return await assemble([head + events, *snapshot.chunks])
 
-    def pool_info(self, request: PoolInfo) -> dict[str, Any]:
-        pipeline = self._pipeline(request.rank)
-        return {"rank": pipeline.rank, **pipeline.pool_info()}
+    @handles(PoolInfoRequest)
+    def pool_info(self, request: PoolInfoRequest, owner: Owner | None) -> PoolInfo:
+        return self._pipeline(request.rank).pool_info()
 
-    def checksum(self, request: Checksum) -> Pending[bytes]:
+    @handles(Checksum)
+    def checksum(self, request: Checksum, owner: Owner | None) -> Encoded:
         """Answered once the ids are decoded and every slice of them is checksummed, one
         slice per loop turn."""
         pipeline = self._pipeline(request.rank)
         num_blocks = pipeline.cache.pool.num_blocks
-        if len(request.block_ids) > num_blocks:
+        block_ids = located(request.block_ids)
+        if not isinstance(block_ids, IntArray):  # parse_request refused it already
+            raise CacheError("bad_request", "block_ids: expected a list of integers")
+        if len(block_ids) > num_blocks:
             raise CacheError("too_large", f"block_ids: at most {num_blocks} ids")
-        job = asyncio.ensure_future(self._checksum(request, pipeline))
-        return self._settled(request, Pending.of_future(job))
+        job = asyncio.ensure_future(self._checksum(request, block_ids, pipeline))
+        return Encoded(self._settled(request, Pending.of_future(job)))
 
-    async def _checksum(self, request: Checksum, pipeline: RankPipeline) -> bytes:
+    async def _checksum(
+        self, request: Checksum, block_ids: IntArray, pipeline: RankPipeline
+    ) -> bytes:
         pool = pipeline.cache.pool
-        ids = await decode_in_slices(request.block_ids.decoder("block_ids", 0, pool.num_blocks - 1))
-        head = {"ok": True, "id": request.id, "rank": pipeline.rank}
+        ids = await decode_in_slices(block_ids.decoder("block_ids", 0, pool.num_blocks - 1))
+        head = ok_reply_head(request.id, ChecksumReply(pipeline.rank, []))
         return await checksum_reply(head, len(ids), pool.checksum_steps(ids))
+
+
+# Every request type has its handler (checked once, at import).
+if set(_HANDLERS) != set(REQUEST_TYPES):
+    raise ImportError(f"control ops without a handler: {set(REQUEST_TYPES) - set(_HANDLERS)}")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import zmq
 
 from kvpubd.daemon.cache import CacheError, RankCache, StoreResult
+from kvpubd.daemon.encoded import reply_ids
 from kvpubd.daemon.history import RESTART_OVERLAP, History, seq_origin
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
@@ -27,6 +27,7 @@ from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
 from kvpubd.protocol.config import Settings, rank_endpoint
+from kvpubd.protocol.control import PoolInfo, RankStats, ReleaseReply, Store, StoreReply
 from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import BlockStored
 
@@ -144,15 +145,11 @@ class RankPipeline:
         return len(self.cache.leases)
 
     def store(
-        self,
-        request_id: str | int,
-        tokens: np.ndarray | IntArray,
-        lora_id: int | None,
-        lora_name: str | None,
-        cache_salt: str | None,
-    ) -> dict[str, Any] | Pending[dict[str, Any]]:
-        """The store's reply fields, or those to come for a store done in slices (a large
-        one, a long token list still to decode, or any behind queued work)."""
+        self, request: Store, tokens: np.ndarray | IntArray
+    ) -> StoreReply | Pending[StoreReply]:
+        """The store's reply, or the one to come for a store done in slices (a large one, a
+        long token list still to decode, or any behind queued work). ``tokens``: the
+        request's, decoded (or located, to decode a slice per loop turn)."""
         opened = len(self.cache.leases) + self._stores.stores_queued
         if opened >= self._max_open_requests:
             raise CacheError(
@@ -165,11 +162,8 @@ class RankPipeline:
             or isinstance(tokens, IntArray)
             or len(tokens) // self.cache.block_size > SYNC_BLOCKS
         ):
-            stored = self._stores.submit(request_id, tokens, lora_id, lora_name, cache_salt)
-            return stored.map(self._store_reply)
-        return self._store_reply(
-            self.cache.store(request_id, tokens, lora_id, lora_name, cache_salt)
-        )
+            return self._stores.submit(request, tokens).map(self._store_reply)
+        return self._store_reply(self.cache.store(request, tokens))
 
     def _flush_if_full(self) -> None:
         # Right after a capture (also a slice of one done in slices): while the drain is
@@ -177,13 +171,13 @@ class RankPipeline:
         if self.sink.pending_blocks >= FLUSH_BLOCKS and not self._drain_paused():
             self.flush()
 
-    def _store_reply(self, result: StoreResult) -> dict[str, Any]:
+    def _store_reply(self, result: StoreResult) -> StoreReply:
         self._flush_if_full()
         block_ids, cached = result
-        return {"rank": self.rank, "block_ids": block_ids, "num_cached_tokens": cached}
+        return StoreReply(self.rank, reply_ids(block_ids), cached)
 
-    def release(self, request_id: str | int) -> dict[str, Any] | Pending[dict[str, Any]]:
-        """The release's reply fields; for a store still under way or queued, those to come
+    def release(self, request_id: str | int) -> ReleaseReply | Pending[ReleaseReply]:
+        """The release's reply; for a store still under way or queued, those to come
         once it is done, answered right after it: a client that sends store and release back
         to back never leaves blocks pinned. An open request is closed at once (a reset right
         behind it is not refused busy); its blocks are unpinned before any later store of the
@@ -197,8 +191,8 @@ class RankPipeline:
             self.cache.unpin(lease.blocks)
         return self._release_reply(lease.size)
 
-    def _release_reply(self, released: int) -> dict[str, Any]:
-        return {"rank": self.rank, "released": released}
+    def _release_reply(self, released: int) -> ReleaseReply:
+        return ReleaseReply(self.rank, released)
 
     def reset(self) -> int | None:
         """Clear the cache and publish the marker at once, after everything captured before
@@ -282,33 +276,33 @@ class RankPipeline:
             )
         return ids
 
-    def pool_info(self) -> dict[str, Any]:
-        return self.cache.pool.info()
+    def pool_info(self) -> PoolInfo:
+        return self.cache.pool.info(self.rank)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RankStats:
         pool = self.cache.pool
         history, transport = self.publisher.history, self.publisher.transport
-        return {
-            "rank": self.rank,
-            "first_seq": history.first_seq,
-            "seq": history.last_seq,
-            "batches_published": history.batches,
-            "events_published": history.events,
-            "dropped_stored_blocks": self.sink.dropped_stored_blocks,
-            "resets": self.resets,
-            "replay_requests": transport.replay_requests,
-            "replays_refused": transport.replays_refused,
-            "blocks_capacity": pool.num_blocks,
-            "blocks_used": pool.used_count,
-            "blocks_free": pool.free_count,
-            "blocks_cached": len(self.cache.index),
-            "blocks_pinned": self.cache.pinned_blocks,
-            "blocks_published": len(self.sink.published),
-            "requests_open": len(self.cache.leases),
-            "events_pending": self.sink.pending_count,
-            "endpoint": transport.endpoint,
-            "replay_endpoint": transport.replay_endpoint,
-        }
+        return RankStats(
+            rank=self.rank,
+            first_seq=history.first_seq,
+            seq=history.last_seq,
+            batches_published=history.batches,
+            events_published=history.events,
+            dropped_stored_blocks=self.sink.dropped_stored_blocks,
+            resets=self.resets,
+            replay_requests=transport.replay_requests,
+            replays_refused=transport.replays_refused,
+            blocks_capacity=pool.num_blocks,
+            blocks_used=pool.used_count,
+            blocks_free=pool.free_count,
+            blocks_cached=len(self.cache.index),
+            blocks_pinned=self.cache.pinned_blocks,
+            blocks_published=len(self.sink.published),
+            requests_open=len(self.cache.leases),
+            events_pending=self.sink.pending_count,
+            endpoint=transport.endpoint,
+            replay_endpoint=transport.replay_endpoint,
+        )
 
     def close(self) -> None:
         self._stores.close()

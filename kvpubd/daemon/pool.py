@@ -16,12 +16,12 @@ import secrets
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from kvpubd.daemon import kernels
 from kvpubd.protocol.config import ConfigError
+from kvpubd.protocol.control import PoolInfo
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ class BlockPool:
             self.scrub_listed(part)
             yield part
 
-    def info(self) -> dict[str, Any]:
-        """How another process maps this pool."""
+    def info(self, rank: int) -> PoolInfo:
+        """How another process maps this pool (the pool of ``rank``)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -223,14 +223,15 @@ class HostPool(BlockPool):
         for part in self._checksum_slices(block_ids):
             yield kernels.numpy_checksum(self._array(), part)
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "kind": "shm",
-            "name": self._shm.name,
-            "shape": [self.num_blocks, self.block_bytes],
-            "dtype": "uint8",
-            "block_bytes": self.block_bytes,
-        }
+    def info(self, rank: int) -> PoolInfo:
+        return PoolInfo(
+            rank=rank,
+            kind="shm",
+            name=self._shm.name,
+            shape=(self.num_blocks, self.block_bytes),
+            dtype="uint8",
+            block_bytes=self.block_bytes,
+        )
 
     def close(self) -> None:
         if self.data is None:
@@ -294,17 +295,18 @@ class CudaPool(BlockPool):
                 yield None
             yield np.array(host)
 
-    def info(self) -> dict[str, Any]:
+    def info(self, rank: int) -> PoolInfo:
         handle = self._cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr)
-        return {
-            "kind": "cuda_ipc",
-            "handle": bytes(handle),
-            "device": self.device,
-            "offset": 0,
-            "shape": [self.num_blocks, self.block_bytes],
-            "dtype": "uint8",
-            "block_bytes": self.block_bytes,
-        }
+        return PoolInfo(
+            rank=rank,
+            kind="cuda_ipc",
+            handle=bytes(handle),
+            device=self.device,
+            offset=0,
+            shape=(self.num_blocks, self.block_bytes),
+            dtype="uint8",
+            block_bytes=self.block_bytes,
+        )
 
     def close(self) -> None:
         self.stream.synchronize()

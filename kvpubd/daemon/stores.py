@@ -29,6 +29,7 @@ import numpy as np
 from kvpubd.daemon.cache import CacheError, RankCache, RequestId, StoreResult
 from kvpubd.daemon.decoding import decode_tokens_in_slices
 from kvpubd.daemon.pending import Pending
+from kvpubd.protocol.control import Store
 from kvpubd.protocol.hashing import chain_digests, root_key
 from kvpubd.protocol.int_arrays import IntArray
 
@@ -52,12 +53,13 @@ MAX_QUEUED = 1024
 
 @dataclass(slots=True)
 class _Store:
-    request_id: RequestId
+    request: Store
     tokens: np.ndarray | IntArray  # a list still to decode (a slice per loop turn first)
-    lora_id: int | None
-    lora_name: str | None
-    cache_salt: str | None
     result: Pending[StoreResult] = field(default_factory=Pending)
+
+    @property
+    def request_id(self) -> RequestId:
+        return self.request.request_id
 
 
 @dataclass(slots=True)
@@ -112,19 +114,13 @@ class StoreQueue:
         """A store of ``request_id`` is under way or queued."""
         return request_id in self._stores
 
-    def submit(
-        self,
-        request_id: RequestId,
-        tokens: np.ndarray | IntArray,
-        lora_id: int | None,
-        lora_name: str | None,
-        cache_salt: str | None,
-    ) -> Pending[StoreResult]:
-        """Queue a store; raises CacheError ``busy`` (changing nothing) while the queue is
-        full. An empty queue takes any store."""
+    def submit(self, request: Store, tokens: np.ndarray | IntArray) -> Pending[StoreResult]:
+        """Queue a store of ``tokens`` (the request's, decoded or still to decode); raises
+        CacheError ``busy`` (changing nothing) while the queue is full. An empty queue takes
+        any store."""
         self._check_room(len(tokens))
-        item = _Store(request_id, tokens, lora_id, lora_name, cache_salt)
-        self._stores[request_id] = item
+        item = _Store(request, tokens)
+        self._stores[request.request_id] = item
         self.queued_tokens += len(tokens)
         self._push(item)
         return item.result
@@ -227,7 +223,7 @@ class StoreQueue:
         cache = self._cache
         size, algorithm = cache.block_size, cache.hash_algorithm
         digests: list[bytes] = []
-        link = root_key(item.lora_id, item.cache_salt, algorithm)
+        link = root_key(item.request.lora_id, item.request.cache_salt, algorithm)
         tokens = _decoded(item)
         for start in range(0, len(tokens) // size, SLICE_BLOCKS):
             part_tokens = tokens[start * size : (start + SLICE_BLOCKS) * size]
@@ -240,15 +236,7 @@ class StoreQueue:
     async def _store_on(self, item: _Store, digests: list[bytes], generation: int) -> StoreResult:
         """The store on the cache of ``generation``; _Overtaken once a reset cleared it."""
         cache = self._cache
-        plan = cache.begin_store(
-            item.request_id,
-            _decoded(item),
-            digests,
-            item.lora_id,
-            item.lora_name,
-            item.cache_salt,
-            in_slices=True,
-        )
+        plan = cache.begin_store(item.request, _decoded(item), digests, in_slices=True)
         while True:
             await self._spend(min(SLICE_BLOCKS, len(digests) - plan.matched), generation)
             if cache.match_some(plan, SLICE_BLOCKS):

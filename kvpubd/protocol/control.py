@@ -1,301 +1,373 @@
-"""The control protocol: request models, parsing and replies. Transport-free.
+"""The control protocol, declared once: every request and every reply is a ``msgspec.Struct``
+here, and the daemon and the client library both encode and decode exactly these.
 
-A request is one msgpack map ``{"op": ..., "id": any?, ...}``; the reply is one msgpack map
-``{"ok": true, "id": ..., ...}`` or ``{"ok": false, "id": ..., "error": {"code", "message"}}``.
+A request is one msgpack map ``{"op": ..., "id": any?, ...}`` (the request types form a union
+tagged on ``op``); the reply is one msgpack map ``{"ok": true, "id": ..., ...}`` (the reply
+struct's fields) or ``{"ok": false, "id": ..., "error": {"code", "message"}}``.
+
+Adding an op: its request struct (and, if new, its reply struct) below, its name in
+``Request``; then a handler in ``daemon/operations.py`` and the client's call in
+``client/replies.py`` (with a method line in each client class). Adding a stats counter: a
+field of ``RankStats``, filled in by ``RankPipeline.stats``.
+
+Parsing request frames (locating long integer arrays without decoding them) is
+``control_frames.py``'s job.
 """
 
 from __future__ import annotations
 
-import io
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, TypeVar, get_args
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+import msgspec
 
-from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray, array_header
+from kvpubd.protocol.wire import Event, event_from_wire
 
 # Limits on what one request may carry: far above any honest client, low enough that no field
 # can make a request (or the per-block data it leaves behind) expensive.
 MAX_REQUEST_ID_CHARS = 256
 MAX_LORA_NAME_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
-I64 = Annotated[int, Field(ge=-(1 << 63), lt=1 << 63)]
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)] | I64
+Rank = Annotated[int, msgspec.Meta(ge=0)]
+# A field that is an array of integers, possibly millions long: kept as its msgpack bytes, so
+# the daemon can refuse it from its header and decode it a slice per loop turn later (see
+# ``int_arrays.located``). ``token_ids`` may also be a bin of packed little-endian uint32.
+IntList = msgspec.Raw
 
-RequestId = Annotated[
-    Annotated[str, Field(max_length=MAX_REQUEST_ID_CHARS)] | I64,
-    Field(union_mode="left_to_right"),
-]
-Rank = Annotated[int, Field(ge=0)]
+# -- requests -------------------------------------------------------------------------------
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", strict=True, frozen=True, arbitrary_types_allowed=True
-    )
+class ControlRequest(
+    msgspec.Struct,
+    tag_field="op",
+    forbid_unknown_fields=True,
+    omit_defaults=True,
+    frozen=True,
+    kw_only=True,
+):
+    """Base of the requests: ``op`` is the tag; ``id`` is echoed in the reply."""
+
     id: Any = None
 
 
-class Ping(_Request):
-    op: Literal["ping"]
+class Ping(ControlRequest, tag="ping", frozen=True, kw_only=True):
+    pass
 
 
-class Stats(_Request):
-    op: Literal["stats"]
+class Stats(ControlRequest, tag="stats", frozen=True, kw_only=True):
+    pass
 
 
-class Store(_Request):
-    op: Literal["store"]
+class Store(ControlRequest, tag="store", frozen=True, kw_only=True):
     request_id: RequestId
-    # A list of ints (located by parse_request, decoded later a slice at a time), or bytes of
-    # packed little-endian uint32 (no per-token decoding).
-    token_ids: bytes | IntArray
-    rank: Rank | None = None  # the first rank served
+    rank: Rank | None = None  # None: the first rank served
     lora_id: I64 | None = None
-    lora_name: Annotated[str, Field(max_length=MAX_LORA_NAME_CHARS)] | None = None
-    cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    lora_name: Annotated[str, msgspec.Meta(max_length=MAX_LORA_NAME_CHARS)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    # Last: a list longer than one decode slice must be the request's last field (the daemon
+    # does not walk past it).
+    token_ids: IntList
 
 
-class Release(_Request):
-    op: Literal["release"]
+class Release(ControlRequest, tag="release", frozen=True, kw_only=True):
     request_id: RequestId
 
 
-class Reset(_Request):
-    op: Literal["reset"]
-    rank: Rank | None = None
+class Reset(ControlRequest, tag="reset", frozen=True, kw_only=True):
+    rank: Rank | None = None  # None: every rank
     force: bool = False
 
 
-class Pause(_Request):
-    op: Literal["pause"]
+class Pause(ControlRequest, tag="pause", frozen=True, kw_only=True):
+    pass
 
 
-class Resume(_Request):
-    op: Literal["resume"]
+class Resume(ControlRequest, tag="resume", frozen=True, kw_only=True):
+    pass
 
 
-class Snapshot(_Request):
-    op: Literal["snapshot"]
-    rank: Rank | None = None  # the first rank served
+class Snapshot(ControlRequest, tag="snapshot", frozen=True, kw_only=True):
+    rank: Rank | None = None  # None: the first rank served
 
 
-class PoolInfo(_Request):
-    op: Literal["pool_info"]
-    rank: Rank | None = None  # the first rank served
+class PoolInfoRequest(ControlRequest, tag="pool_info", frozen=True, kw_only=True):
+    rank: Rank | None = None  # None: the first rank served
 
 
-class Checksum(_Request):
-    op: Literal["checksum"]
-    rank: Rank | None = None  # the first rank served
-    block_ids: IntArray  # decoded a slice at a time
+class Checksum(ControlRequest, tag="checksum", frozen=True, kw_only=True):
+    rank: Rank | None = None  # None: the first rank served
+    block_ids: IntList  # last, as token_ids
 
 
-Request = Annotated[
-    Ping | Stats | Store | Release | Reset | Pause | Resume | Snapshot | PoolInfo | Checksum,
-    Field(discriminator="op"),
-]
-OPS = (
-    "ping",
-    "stats",
-    "store",
-    "release",
-    "reset",
-    "pause",
-    "resume",
-    "snapshot",
-    "pool_info",
-    "checksum",
+Request = (
+    Ping | Stats | Store | Release | Reset | Pause | Resume | Snapshot | PoolInfoRequest | Checksum
 )
-_request_adapter: TypeAdapter[Request] = TypeAdapter(Request)
+REQUEST_TYPES: tuple[type[ControlRequest], ...] = get_args(Request)
+# The op names, in declaration order (for the unknown_op message).
+OPS: tuple[str, ...] = tuple(str(cls.__struct_config__.tag) for cls in REQUEST_TYPES)
+# Fields that are arrays of integers (``IntList``), by request type.
+INT_LIST_FIELDS = ("token_ids", "block_ids")
 
 
-class ProtocolError(Exception):
-    """A request refused before it reached the cache; carries the id when one was readable."""
-
-    def __init__(self, code: str, message: str, request_id: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.request_id = request_id
+def op_of(request: ControlRequest) -> str:
+    return str(request.__struct_config__.tag)
 
 
-def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
-    """Validate one request frame, or raise ProtocolError. Its arrays of integers are located,
-    not decoded (``IntArray``); a ``token_ids`` array of more than ``max_tokens`` items is
-    refused from its header alone."""
-    if len(frame) > max_bytes:
-        raise ProtocolError(
-            "too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}", peek_id(frame)
-        )
-    obj = _decode_map(frame, max_tokens)
-    request_id = obj.get("id")
-    if not all(isinstance(key, str) for key in obj):
-        raise ProtocolError("bad_request", "request keys must be strings", request_id)
-    op = obj.get("op")
-    if op is None:
-        raise ProtocolError("bad_request", "request has no 'op'", request_id)
-    if op not in OPS:
-        raise ProtocolError(
-            "unknown_op", f"unknown op {op!r:.64}; known: {', '.join(OPS)}", request_id
-        )
-    for field, packed in (("token_ids", " or packed uint32 bytes"), ("block_ids", "")):
-        value = obj.get(field)
-        if field in obj and not isinstance(value, IntArray | (bytes if packed else IntArray)):
-            raise ProtocolError(
-                "bad_request", f"{field}: expected a list of integers{packed}", request_id
-            )
-    try:
-        return _request_adapter.validate_python(obj)
-    except ValidationError as exc:
-        raise ProtocolError("bad_request", describe(exc), request_id) from None
+# -- replies --------------------------------------------------------------------------------
+
+R = TypeVar("R", bound="ControlReply")
 
 
-# Fields that are arrays of integers, possibly millions long: located, decoded later.
-INT_ARRAY_FIELDS = ("token_ids", "block_ids")
-# Items of any other array or map in a request: nothing honest comes near it, and decoding
-# one is then never long.
-MAX_OTHER_ITEMS = 4096
-# Frames in which an id behind a refused array is still looked for.
-PEEK_BEHIND_BYTES = 256 << 10
-# Bytes an unpacker reads from the frame at a time.
-_READ_BYTES = 64 << 10
-# Frames that are not a map are decoded for the error message only when this small.
-_DECODE_FOR_MESSAGE_BYTES = 64 << 10
+class ControlReply(msgspec.Struct, frozen=True):
+    """Base of the replies: the fields beside ``ok`` and ``id``. Decoding ignores fields it
+    does not know, so a newer daemon that adds some still answers an older client."""
+
+    @classmethod
+    def parse(cls: type[R], reply: Mapping[str, Any]) -> R:
+        """This reply from a decoded reply map; ControlError ``bad_reply`` if it is not one."""
+        return reply_fields(reply, cls, cls.__name__)
 
 
-def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
-    """The request map, its integer arrays as ``IntArray``; ProtocolError if it is not one
-    msgpack map."""
-    if not frame or not (0x80 <= frame[0] <= 0x8F or frame[0] in (0xDE, 0xDF)):
-        raise ProtocolError("bad_request", _not_a_map(frame))
-    obj: dict[Any, Any] = {}
-    try:
-        base = 0  # where the walker started in the frame
-        walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
-        entries = walker.read_map_header()
-        for entry in range(entries):
-            key = walker.unpack()
-            pos = base + walker.tell()
-            located = array_header(frame, pos) if key in INT_ARRAY_FIELDS else None
-            span = _bin_span(frame, pos) if key in INT_ARRAY_FIELDS else None
-            if span is not None:
-                # Packed tokens: sliced out of the frame in one copy (read through the
-                # unpacker, a few MB would be copied piecemeal as its buffer grows).
-                obj[key] = frame[span[0] : span[1]]
-                base = span[1]
-                walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
-                continue
-            if located is None:
-                obj[key] = walker.unpack()
-                continue
-            count, header = located
-            if key == "token_ids" and count > max_tokens:
-                # From the header alone. An id behind the array is looked for only in a
-                # small frame: walking past a long array costs a few ns a byte.
-                request_id = obj.get("id")
-                if "id" not in obj and len(frame) <= PEEK_BEHIND_BYTES:
-                    request_id = peek_id(frame)
-                raise ProtocolError(
-                    "too_large", f"token_ids: {count} tokens; the limit is {max_tokens}", request_id
-                )
-            if entry == entries - 1:
-                # The last entry (where the client library puts it): the array must end the
-                # frame, which its decoder checks; nothing to walk past.
-                obj[key] = IntArray(frame, pos + header, len(frame), count)
-                return obj
-            if count > DECODE_SLICE:
-                # Walking past it would cost as much as decoding it (a few ns a byte, in
-                # one step): a long list goes last, where nothing follows it.
-                raise ProtocolError(
-                    "bad_request",
-                    f"{key}: a list of more than {DECODE_SLICE} items must be the request's "
-                    "last field",
-                    obj.get("id"),
-                )
-            # Skipped in C (a short array), then the walk goes on behind it.
-            skipper = _unpacker(frame, pos, None)
-            skipper.skip()
-            end = pos + skipper.tell()
-            obj[key] = IntArray(frame, pos + header, end, count)
-            base = end
-            walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
-        trailing = base + walker.tell() < len(frame)
-    except ProtocolError:
-        raise
-    except Exception as exc:
-        raise ProtocolError("bad_request", f"request is not one msgpack object: {exc}") from None
-    if trailing:
-        raise ProtocolError("bad_request", "request is not one msgpack object: extra data")
-    return obj
+class RankEndpoints(msgspec.Struct, frozen=True):
+    """Where one rank publishes: its events (PUB) and replay endpoints as bound."""
+
+    rank: int
+    events: str
+    replay: str
 
 
-def _unpacker(frame: bytes, start: int, max_items: int | None) -> msgpack.Unpacker:
-    """An unpacker over ``frame`` from byte ``start`` on (its ``tell()`` counts from there).
-    It reads the frame as it goes, without copying it whole first: the fields before a long
-    array cost what they are, not what the frame is. ``max_items`` bounds every array and map
-    it decodes (None: unbounded, for skipping)."""
-    stream = io.BytesIO(frame)  # shares the bytes, no copy
-    stream.seek(start)
-    limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
-    return msgpack.Unpacker(
-        stream,
-        read_size=_READ_BYTES,
-        raw=False,
-        strict_map_key=False,
-        max_buffer_size=len(frame) + _READ_BYTES,
-        **limits,
+class PingReply(ControlReply, frozen=True):
+    version: str
+    epoch: int  # changes at every daemon start
+    ranks: int  # data-parallel ranks served
+    endpoints: list[RankEndpoints]
+
+
+class RankStats(msgspec.Struct, frozen=True):
+    """One rank's counters, as ``kvpubd stats`` prints them (in this order)."""
+
+    rank: int
+    seq: int  # last seq published (first_seq - 1 before the first batch)
+    batches_published: int
+    events_published: int
+    dropped_stored_blocks: int  # stored blocks not published (cap, or a dropped parent)
+    resets: int
+    replay_requests: int
+    replays_refused: int
+    blocks_capacity: int
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_pinned: int
+    blocks_published: int
+    requests_open: int
+    events_pending: int
+    endpoint: str
+    replay_endpoint: str
+    # The run's first seq (its origin: the clock in microseconds by default); 0 from a daemon
+    # that does not report it.
+    first_seq: int = 0
+
+
+class StatsReply(ControlReply, frozen=True):
+    epoch: int
+    paused: bool
+    ranks: list[RankStats]
+
+
+class StoreReply(ControlReply, frozen=True):
+    rank: int
+    block_ids: list[int]  # one per block of the prompt, the partial tail included
+    num_cached_tokens: int  # prompt tokens the cache already held
+
+
+class ReleaseReply(ControlReply, frozen=True):
+    rank: int
+    released: int  # blocks unpinned
+
+
+class Marker(msgspec.Struct, frozen=True):
+    """Where a rank's reset marker (``AllBlocksCleared``) went out: the batch ``seq`` (None
+    when the daemon holds markers back, ``events.flush_on_reset = false``)."""
+
+    rank: int
+    seq: int | None
+
+
+class ResetReply(ControlReply, frozen=True):
+    markers: list[Marker]  # one per rank reset
+
+
+class PauseReply(ControlReply, frozen=True):
+    paused: bool  # whether the periodic drain is stopped now
+
+
+class SnapshotReply(ControlReply, frozen=True):
+    """A rank's published cache as one-block ``BlockStored`` events (parents first), exactly
+    the state after batch ``seq`` of daemon run ``epoch``. The events travel in the daemon's
+    wire format (map or array form); ``decode_reply`` reads either."""
+
+    rank: int
+    seq: int
+    epoch: int
+    events: list[Event]  # last: the daemon streams it
+
+
+class PoolInfo(ControlReply, frozen=True, omit_defaults=True):
+    """How another process maps a rank's pool: ``kind`` ``"shm"`` (POSIX shared memory
+    ``name``) or ``"cuda_ipc"`` (CUDA IPC ``handle`` on GPU ``device``, at ``offset``)."""
+
+    rank: int
+    kind: str
+    shape: tuple[int, int]  # (num_blocks, block_bytes)
+    dtype: str
+    block_bytes: int
+    name: str | None = None
+    handle: bytes | None = None
+    device: int | None = None
+    offset: int = 0
+
+
+class ChecksumReply(ControlReply, frozen=True):
+    rank: int
+    checksums: list[int]  # last: the daemon streams it; one 64-bit checksum per block id
+
+
+# The reply to each request type.
+REPLY_TYPES: dict[type[ControlRequest], type[ControlReply]] = {
+    Ping: PingReply,
+    Stats: StatsReply,
+    Store: StoreReply,
+    Release: ReleaseReply,
+    Reset: ResetReply,
+    Pause: PauseReply,
+    Resume: PauseReply,
+    Snapshot: SnapshotReply,
+    PoolInfoRequest: PoolInfo,
+    Checksum: ChecksumReply,
+}
+
+
+class ErrorDetail(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+# -- encoding -------------------------------------------------------------------------------
+
+
+def _foreign(value: Any) -> Any:
+    """Values msgpack-python decoded (an echoed id) that msgspec does not know."""
+    if isinstance(value, msgpack.Timestamp):
+        return msgspec.msgpack.Ext(-1, value.to_bytes())
+    if isinstance(value, msgpack.ExtType):
+        return msgspec.msgpack.Ext(value.code, value.data)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_foreign)
+_OK_ID = _encoder.encode("ok") + _encoder.encode(True) + _encoder.encode("id")
+
+
+def int_list(values: Sequence[int]) -> IntList:
+    """An ``IntList`` field holding ``values`` as a msgpack array."""
+    return msgspec.Raw(_encoder.encode(list(values)))
+
+
+def packed_uint32(data: bytes) -> IntList:
+    """A ``token_ids`` field holding packed little-endian uint32 (the fast form)."""
+    return msgspec.Raw(_encoder.encode(data))
+
+
+def encode_request(request: ControlRequest) -> bytes:
+    return _encoder.encode(request)
+
+
+def _map_header(count: int) -> bytes:
+    if count < 16:
+        return bytes((0x80 | count,))
+    return b"\xde" + count.to_bytes(2, "big")
+
+
+def ok_reply(request_id: Any, reply: ControlReply) -> bytes:
+    """``{"ok": true, "id": request_id, **reply's fields}``."""
+    body = _encoder.encode(reply)
+    first = body[0]
+    # A reply struct has fewer than 16 fields: a fixmap.
+    assert 0x80 <= first <= 0x8F, type(reply)
+    return b"".join(
+        (_map_header((first & 0x0F) + 2), _OK_ID, _encoder.encode(request_id), body[1:])
     )
 
 
-def _bin_span(frame: bytes, pos: int) -> tuple[int, int] | None:
-    """Where the data of the msgpack bin at ``frame[pos]`` lies; None if there is none."""
-    width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(frame[pos])
-    if width is None:
-        return None
-    start = pos + 1 + width
-    end = start + int.from_bytes(frame[pos + 1 : start], "big")
-    return (start, end) if start <= end <= len(frame) else None
-
-
-def _not_a_map(frame: bytes) -> str:
-    if len(frame) <= _DECODE_FOR_MESSAGE_BYTES:
-        try:
-            obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-        except Exception as exc:
-            return f"request is not one msgpack object: {exc}"
-        return f"request must be a msgpack map, got {type(obj).__name__}"
-    return "request must be a msgpack map"
-
-
-def peek_id(frame: bytes) -> Any:
-    """The "id" of a request map without decoding the rest (for refusing oversized ones)."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(frame) + 1)
-    unpacker.feed(frame)
-    try:
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() == "id":
-                return unpacker.unpack()
-            unpacker.skip()
-    except Exception:
-        pass
-    return None
-
-
-def describe(exc: ValidationError) -> str:
-    first = exc.errors(include_url=False)[0]
-    loc = [str(part) for part in first["loc"][1:]]  # drop the union tag
-    where = ".".join(loc) or "request"
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
-    return f"{where}: {message}{more}"
-
-
-def ok_reply(request_id: Any, **fields: Any) -> bytes:
-    return msgpack.packb({"ok": True, "id": request_id, **fields}, use_bin_type=True)
+def ok_reply_head(request_id: Any, reply: ControlReply) -> bytes:
+    """The ok reply up to its last field's array items: ``reply``'s last field is an empty
+    list, and the caller appends the array header and items it streams."""
+    last = reply.__struct_fields__[-1]
+    assert getattr(reply, last) == [], (type(reply), last)
+    encoded = ok_reply(request_id, reply)
+    assert encoded[-1] == 0x90
+    return encoded[:-1]
 
 
 def error_reply(request_id: Any, code: str, message: str) -> bytes:
-    return msgpack.packb(
-        {"ok": False, "id": request_id, "error": {"code": code, "message": message}},
-        use_bin_type=True,
-    )
+    return _encoder.encode({"ok": False, "id": request_id, "error": ErrorDetail(code, message)})
+
+
+# -- decoding replies -----------------------------------------------------------------------
+
+
+class ControlError(Exception):
+    """The daemon refused a request (``code`` is its error code), or answered something this
+    side cannot read (code ``bad_reply``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def reply_fields(reply: Mapping[str, Any], reply_type: type[R], op: str) -> R:
+    """The typed reply from a decoded ok reply map (extra keys ignored); ControlError
+    ``bad_reply`` names what is wrong."""
+    convert = _CONVERTERS.get(reply_type, msgspec.convert)
+    try:
+        return convert(reply, reply_type)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        problem = describe(exc)
+    except ValueError as exc:  # an event of a snapshot
+        problem = str(exc)
+    raise ControlError("bad_reply", f"{op} reply: {problem}")
+
+
+def _snapshot_reply(reply: Mapping[str, Any], _: object) -> SnapshotReply:
+    # The events come in either wire form: each one decoded as a stream subscriber would.
+    events = reply.get("events")
+    if not isinstance(events, list):
+        raise ValueError("events: not a list")
+    return msgspec.convert({**reply, "events": list(map(event_from_wire, events))}, SnapshotReply)
+
+
+_CONVERTERS: dict[type[ControlReply], Callable[[Mapping[str, Any], Any], Any]] = {
+    SnapshotReply: _snapshot_reply,
+}
+
+
+def describe(exc: msgspec.ValidationError) -> str:
+    """A msgspec validation error as one line that starts with the field: ``rank: ...``."""
+    text = str(exc)
+    where = ""
+    if " - at `$" in text:
+        text, _, path = text.rpartition(" - at `$")
+        where = path.rstrip("`").lstrip(".").replace("[", ".").replace("]", "")
+    for prefix, what in (
+        ("Object missing required field `", "field required"),
+        ("Object contains unknown field `", "unknown field"),
+    ):
+        if text.startswith(prefix):
+            field = text[len(prefix) :].rstrip("`")
+            where, text = ".".join(filter(None, (where, field))), what
+    return f"{where or 'request'}: {text}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgpack
+import msgspec
 import numpy as np
 
 # Items decoded per call (one loop turn): msgpack, a type check and NumPy take well under a
@@ -21,7 +22,7 @@ DECODE_SLICE = 8192
 _MAX_INT_BYTES = 9
 
 
-def array_header(frame: bytes, pos: int) -> tuple[int, int] | None:
+def array_header(frame: bytes | memoryview, pos: int) -> tuple[int, int] | None:
     """(item count, header bytes) of the msgpack array starting at ``frame[pos]``; None if
     the object there is not an array."""
     first = frame[pos]
@@ -34,11 +35,36 @@ def array_header(frame: bytes, pos: int) -> tuple[int, int] | None:
     return None
 
 
+def bin_span(frame: bytes | memoryview, pos: int) -> tuple[int, int] | None:
+    """Where the data of the msgpack bin at ``frame[pos]`` lies; None if there is none."""
+    width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(frame[pos])
+    if width is None:
+        return None
+    start = pos + 1 + width
+    end = start + int.from_bytes(frame[pos + 1 : start], "big")
+    return (start, end) if start <= end <= len(frame) else None
+
+
+def located(raw: msgspec.Raw) -> bytes | IntArray:
+    """The integers of an ``IntList`` field (``control.py``): the data of a bin (packed
+    uint32, copied out once), or an array located, not decoded. ValueError for anything else
+    (``control_frames`` refuses it first)."""
+    view = memoryview(raw)
+    header = array_header(view, 0) if view else None
+    if header is not None:
+        count, size = header
+        return IntArray(view, size, len(view), count)
+    span = bin_span(view, 0) if view else None
+    if span is None:
+        raise ValueError("not an array of integers")
+    return bytes(view[span[0] : span[1]])
+
+
 @dataclass(frozen=True, slots=True)
 class IntArray:
     """``count`` msgpack items in ``frame[start:end]``, meant to be integers; not decoded."""
 
-    frame: bytes
+    frame: bytes | memoryview
     start: int
     end: int
     count: int

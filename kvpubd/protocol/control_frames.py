@@ -1,0 +1,226 @@
+"""Request frames into the request structs of ``control``, or a ``ProtocolError`` that names
+the field. Transport-free.
+
+A small frame (no array in it can be longer than one decode slice) is decoded by msgspec in
+one call. A larger one is walked field by field: an integer array (``IntList``) is located,
+not decoded, so a list of a million tokens is refused from its header alone when over the
+limit, and is never walked past when it is the request's last field; the other fields are
+then validated against the same structs.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import msgpack
+import msgspec
+
+from kvpubd.protocol.control import (
+    INT_LIST_FIELDS,
+    OPS,
+    REQUEST_TYPES,
+    Checksum,
+    Request,
+    Store,
+    describe,
+)
+from kvpubd.protocol.int_arrays import DECODE_SLICE, array_header, bin_span
+
+
+class ProtocolError(Exception):
+    """A request refused before it reached the cache; carries the id when one was readable."""
+
+    def __init__(self, code: str, message: str, request_id: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# Frames decoded in one msgspec call: fewer bytes than a slice has items, so no array in one
+# is longer than a slice (nor worth locating).
+ONE_CALL_BYTES = DECODE_SLICE
+# Items of any other array or map in a request: nothing honest comes near it, and decoding
+# one is then never long.
+MAX_OTHER_ITEMS = 4096
+# Frames in which an id behind a refused array is still looked for.
+PEEK_BEHIND_BYTES = 256 << 10
+# Bytes an unpacker reads from the frame at a time.
+_READ_BYTES = 64 << 10
+# Frames that are not a map are decoded for the error message only when this small.
+_DECODE_FOR_MESSAGE_BYTES = 64 << 10
+
+_decoder = msgspec.msgpack.Decoder(Request)
+REQUEST_TYPE_OF: dict[str, Any] = dict(zip(OPS, REQUEST_TYPES, strict=True))
+_EXPECTED = {
+    "token_ids": "a list of integers or packed uint32 bytes",
+    "block_ids": "a list of integers",
+}
+
+
+def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
+    """Validate one request frame, or raise ProtocolError. Its arrays of integers are kept as
+    their msgpack bytes (``IntList``), not decoded; a ``token_ids`` array of more than
+    ``max_tokens`` items is refused from its header alone."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(
+            "too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}", peek_id(frame)
+        )
+    if len(frame) <= ONE_CALL_BYTES:
+        try:
+            request = _decoder.decode(frame)
+        except msgspec.DecodeError:
+            pass  # the walk below says what is wrong, as for a large frame
+        else:
+            _check_int_lists(request, max_tokens)
+            return request
+    obj = _decode_map(frame, max_tokens)
+    request_id = obj.get("id")
+    if not all(isinstance(key, str) for key in obj):
+        raise ProtocolError("bad_request", "request keys must be strings", request_id)
+    op = obj.get("op")
+    if op is None:
+        raise ProtocolError("bad_request", "request has no 'op'", request_id)
+    if op not in OPS:
+        raise ProtocolError(
+            "unknown_op", f"unknown op {op!r:.64}; known: {', '.join(OPS)}", request_id
+        )
+    for field in INT_LIST_FIELDS:
+        if field in obj and not isinstance(obj[field], msgspec.Raw):
+            raise ProtocolError("bad_request", f"{field}: expected {_EXPECTED[field]}", request_id)
+    try:
+        # To the op's own type: converting to the union costs ~30 us a call.
+        request = msgspec.convert(obj, REQUEST_TYPE_OF[op])
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("bad_request", describe(exc), request_id) from None
+    _check_int_lists(request, max_tokens)
+    return request
+
+
+def _check_int_lists(request: Request, max_tokens: int) -> None:
+    """An ``IntList`` field is an array (``token_ids``: or a bin); ``token_ids`` has at most
+    ``max_tokens`` items."""
+    if isinstance(request, Store):
+        field, raw = "token_ids", request.token_ids
+    elif isinstance(request, Checksum):
+        field, raw = "block_ids", request.block_ids
+    else:
+        return
+    view = memoryview(raw)
+    header = array_header(view, 0) if view else None
+    if header is None and not (field == "token_ids" and view and bin_span(view, 0)):
+        raise ProtocolError("bad_request", f"{field}: expected {_EXPECTED[field]}", request.id)
+    if field == "token_ids" and header is not None and header[0] > max_tokens:
+        raise ProtocolError(
+            "too_large", f"token_ids: {header[0]} tokens; the limit is {max_tokens}", request.id
+        )
+
+
+def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
+    """The request map, its integer arrays as ``msgspec.Raw`` (their msgpack bytes);
+    ProtocolError if it is not one msgpack map."""
+    if not frame or not (0x80 <= frame[0] <= 0x8F or frame[0] in (0xDE, 0xDF)):
+        raise ProtocolError("bad_request", _not_a_map(frame))
+    obj: dict[Any, Any] = {}
+    view = memoryview(frame)
+    try:
+        base = 0  # where the walker started in the frame
+        walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
+        entries = walker.read_map_header()
+        for entry in range(entries):
+            key = walker.unpack()
+            pos = base + walker.tell()
+            located = array_header(frame, pos) if key in INT_LIST_FIELDS else None
+            span = bin_span(frame, pos) if key in INT_LIST_FIELDS else None
+            if span is not None:
+                # Packed tokens: taken whole (read through the unpacker, a few MB would be
+                # copied piecemeal as its buffer grows).
+                obj[key] = msgspec.Raw(view[pos : span[1]])
+                base = span[1]
+                walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
+                continue
+            if located is None:
+                obj[key] = walker.unpack()
+                continue
+            count, _ = located
+            if key == "token_ids" and count > max_tokens:
+                # From the header alone. An id behind the array is looked for only in a
+                # small frame: walking past a long array costs a few ns a byte.
+                request_id = obj.get("id")
+                if "id" not in obj and len(frame) <= PEEK_BEHIND_BYTES:
+                    request_id = peek_id(frame)
+                raise ProtocolError(
+                    "too_large", f"token_ids: {count} tokens; the limit is {max_tokens}", request_id
+                )
+            if entry == entries - 1:
+                # The last entry (where the client library puts it): the array must end the
+                # frame, which its decoder checks; nothing to walk past.
+                obj[key] = msgspec.Raw(view[pos:])
+                return obj
+            if count > DECODE_SLICE:
+                # Walking past it would cost as much as decoding it (a few ns a byte, in
+                # one step): a long list goes last, where nothing follows it.
+                raise ProtocolError(
+                    "bad_request",
+                    f"{key}: a list of more than {DECODE_SLICE} items must be the request's "
+                    "last field",
+                    obj.get("id"),
+                )
+            # Skipped in C (a short array), then the walk goes on behind it.
+            skipper = _unpacker(frame, pos, None)
+            skipper.skip()
+            end = pos + skipper.tell()
+            obj[key] = msgspec.Raw(view[pos:end])
+            base = end
+            walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
+        trailing = base + walker.tell() < len(frame)
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError("bad_request", f"request is not one msgpack object: {exc}") from None
+    if trailing:
+        raise ProtocolError("bad_request", "request is not one msgpack object: extra data")
+    return obj
+
+
+def _unpacker(frame: bytes, start: int, max_items: int | None) -> msgpack.Unpacker:
+    """An unpacker over ``frame`` from byte ``start`` on (its ``tell()`` counts from there).
+    It reads the frame as it goes, without copying it whole first: the fields before a long
+    array cost what they are, not what the frame is. ``max_items`` bounds every array and map
+    it decodes (None: unbounded, for skipping)."""
+    stream = io.BytesIO(frame)  # shares the bytes, no copy
+    stream.seek(start)
+    limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
+    return msgpack.Unpacker(
+        stream,
+        read_size=_READ_BYTES,
+        raw=False,
+        strict_map_key=False,
+        max_buffer_size=len(frame) + _READ_BYTES,
+        **limits,
+    )
+
+
+def _not_a_map(frame: bytes) -> str:
+    if len(frame) <= _DECODE_FOR_MESSAGE_BYTES:
+        try:
+            obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        except Exception as exc:
+            return f"request is not one msgpack object: {exc}"
+        return f"request must be a msgpack map, got {type(obj).__name__}"
+    return "request must be a msgpack map"
+
+
+def peek_id(frame: bytes) -> Any:
+    """The "id" of a request map without decoding the rest (for refusing oversized ones)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(frame) + 1)
+    unpacker.feed(frame)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                return unpacker.unpack()
+            unpacker.skip()
+    except Exception:
+        pass
+    return None
