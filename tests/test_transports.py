@@ -176,6 +176,7 @@ def test_an_unknown_transport_is_a_config_error_naming_the_known_ones() -> None:
     check_transport("null")
 
 
+@pytest.mark.process
 def test_the_history_needs_no_zeromq() -> None:
     """What was published (seqs, the ring, heartbeats, snapshots of lost history) is apart
     from how it travels."""
