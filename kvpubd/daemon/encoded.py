@@ -6,7 +6,7 @@ slice's ids as it handles them (``EncodedArray``), so the reply is a join of byt
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -36,7 +36,7 @@ class EncodedArray:
             self.count += len(items)
 
     def encode(self) -> bytes:
-        return _packer.pack_array_header(self.count) + b"".join(self._parts)
+        return cast(bytes, _packer.pack_array_header(self.count)) + b"".join(self._parts)
 
     def decode(self) -> list[int]:
         """The items (for tests and logs; replies use ``encode``)."""

@@ -95,7 +95,7 @@ class _Replay:
 class Publisher:
     def __init__(
         self,
-        context: zmq.Context,
+        context: zmq.Context[zmq.Socket[bytes]],
         *,
         endpoint: str,
         replay_endpoint: str = "",
@@ -156,7 +156,7 @@ class Publisher:
         self.pub.bind(endpoint)
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
-        self.replay: zmq.Socket | None = None
+        self.replay: zmq.Socket[bytes] | None = None
         self.replay_endpoint = ""
         if replay_endpoint:
             self.replay = listener(context.socket(zmq.ROUTER), REPLAY_AFFINITY, context)
@@ -332,7 +332,7 @@ class Publisher:
         payload = await snapshot.batch_payload(time.time(), self.rank, self.wire_format)
         return snapshot.seq, payload
 
-    def _stream(self, sock: zmq.Socket, replay: _Replay, limit: int) -> bool:
+    def _stream(self, sock: zmq.Socket[bytes], replay: _Replay, limit: int) -> bool:
         """Send up to ``limit`` batches of ``replay`` (its snapshot batch first, if it waited
         for one); the end marker once it is past the last. Returns True when it leaves the
         queue: finished, or parked until a newer snapshot batch is ready."""

@@ -7,7 +7,7 @@ A request is one msgpack map ``{"op": ..., "id": any?, ...}``; the reply is one 
 from __future__ import annotations
 
 import io
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -291,11 +291,12 @@ def describe(exc: ValidationError) -> str:
 
 
 def ok_reply(request_id: Any, **fields: Any) -> bytes:
-    return msgpack.packb({"ok": True, "id": request_id, **fields}, use_bin_type=True)
+    return cast(bytes, msgpack.packb({"ok": True, "id": request_id, **fields}, use_bin_type=True))
 
 
 def error_reply(request_id: Any, code: str, message: str) -> bytes:
-    return msgpack.packb(
+    reply: bytes = msgpack.packb(
         {"ok": False, "id": request_id, "error": {"code": code, "message": message}},
         use_bin_type=True,
     )
+    return reply

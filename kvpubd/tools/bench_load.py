@@ -63,12 +63,12 @@ class LoadSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _send_request(sock: zmq.Socket, request: dict[str, Any]) -> None:
+def _send_request(sock: zmq.Socket[bytes], request: dict[str, Any]) -> None:
     sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
 
 
 def _await_reply(
-    sock: zmq.Socket,
+    sock: zmq.Socket[bytes],
     request_id: int,
     control: LoadControl,
     timeout: float,

@@ -50,7 +50,9 @@ def dies_with_this_process(also: Callable[[], None] | None = None) -> Callable[[
     return preexec
 
 
-def live_subscriber(endpoint: str, poll_ms: int = 20) -> tuple[zmq.Context, zmq.Socket]:
+def live_subscriber(
+    endpoint: str, poll_ms: int = 20
+) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]]:
     """A context and a SUB socket that keeps everything (RCVHWM 0) from ``endpoint``, returned
     once the first message is waiting (the caller publishes until then)."""
     ctx = zmq.Context()

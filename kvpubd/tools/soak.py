@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -239,7 +239,7 @@ def vanishing_clients(control: LoadControl, spec: LoadSpec) -> None:
 def _pack(request: dict[str, Any]) -> bytes:
     import msgpack
 
-    return msgpack.packb(request, use_bin_type=True)
+    return cast(bytes, msgpack.packb(request, use_bin_type=True))
 
 
 LOADS = {
