@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import zmq
 
@@ -125,6 +125,9 @@ def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> None:
     path.write_text("\n".join(lines))
 
 
+DaemonT = TypeVar("DaemonT", bound="DaemonProcess")
+
+
 class DaemonProcess:
     """A ``kvpubd serve`` child. ``transport`` "ipc" puts every socket in a private directory;
     "tcp" uses free loopback ports. ``overrides`` maps section -> key -> value."""
@@ -202,8 +205,8 @@ class DaemonProcess:
         write_config(self.config_path, self.settings)
 
     def start(
-        self, timeout: float = 20.0, preexec_fn: Callable[[], None] | None = None
-    ) -> DaemonProcess:
+        self: DaemonT, timeout: float = 20.0, preexec_fn: Callable[[], None] | None = None
+    ) -> DaemonT:
         """Start the child and wait until it answers ping; ``preexec_fn`` runs in the child
         before it executes (e.g. to set resource limits). On a first start over tcp, a port
         that another process took since it was picked gets fresh ports and another try (a
@@ -218,7 +221,9 @@ class DaemonProcess:
                 self._pick_endpoints()
         raise AssertionError("unreachable")
 
-    def _start_once(self, timeout: float, preexec_fn: Callable[[], None] | None) -> DaemonProcess:
+    def _start_once(
+        self: DaemonT, timeout: float, preexec_fn: Callable[[], None] | None
+    ) -> DaemonT:
         if self._log is not None:
             self._log.close()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon
