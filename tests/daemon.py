@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpubd.tools.launcher import DaemonProcess, toml_value, write_config
 
@@ -19,8 +19,14 @@ TEST_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
+T = TypeVar("T")
+
+
+def wait_for(
+    predicate: Callable[[], T | None], timeout: float = 10.0, what: str = "condition"
+) -> T:
+    """Poll ``predicate`` until it returns something truthy (so never None), or fail after
+    ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()

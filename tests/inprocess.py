@@ -33,7 +33,7 @@ MAX_TURNS = 1_000_000
 
 
 class InProcess:
-    def __init__(self, service: Service, sub: zmq.Socket) -> None:
+    def __init__(self, service: Service, sub: zmq.Socket[bytes]) -> None:
         self.service = service
         self.sub = sub
         self._ids = iter(range(1 << 30))

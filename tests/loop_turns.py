@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from kvpubd.daemon.pending import Pending
+from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.service import Service
 from kvpubd.protocol.config import Settings
 
@@ -20,7 +20,8 @@ from kvpubd.protocol.config import Settings
 async def started_service(tmp_path: Path, **sections: dict[str, Any]) -> AsyncIterator[Service]:
     """The daemon's service in this process: private ipc endpoints, replay off, the drain tick
     out of the way; ``sections`` add to those settings or replace them."""
-    settings: dict[str, dict[str, Any]] = {
+    # Any values, as load_settings has them: Settings(**...) also takes its options as keywords.
+    settings: dict[str, Any] = {
         "events": {
             "endpoint": f"ipc://{tmp_path}/ev",
             "replay_endpoint": "",
@@ -48,7 +49,7 @@ async def turns_until(done: Any, limit: int = 10_000) -> int:
     raise AssertionError(f"not done after {limit} loop turns")
 
 
-async def settled(reply: bytes | Pending[bytes] | Pending[memoryview]) -> dict[str, Any]:
+async def settled(reply: Reply) -> dict[str, Any]:
     """The reply, once it is there (loop turns in between)."""
     replies: list[bytes] = []
     if isinstance(reply, bytes):

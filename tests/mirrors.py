@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from kvpubd.client import ControlClient, ControlError, Mirror, Received, SnapshotReply
+from kvpubd.client import ControlClient, ControlError, Mirror, Received, SnapshotReply, StoreReply
 from kvpubd.client.subscriber import AsyncSubscriber, Subscriber
 from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockStored
 from tests.daemon import Daemon
@@ -107,9 +107,7 @@ def unique_prompt(blocks: int) -> list[int]:
 _ids = itertools.count()
 
 
-def store_released(
-    client: ControlClient, tokens: list[int], rank: int | None = None
-) -> dict[str, Any]:
+def store_released(client: ControlClient, tokens: list[int], rank: int | None = None) -> StoreReply:
     request_id = f"r{next(_ids)}"
     reply = client.store(request_id, tokens, rank=rank)
     client.release(request_id)
@@ -135,13 +133,13 @@ def snapshot_blocks(reply: SnapshotReply) -> dict[BlockHash, BlockStored]:
     return mirror.blocks
 
 
-def settle(sub: AnySubscriber, client: ControlClient, rank: int) -> dict[str, Any]:
+def settle(sub: AnySubscriber, client: ControlClient, rank: int) -> SnapshotReply:
     """Take the rank's snapshot (nothing else may be publishing) and bring the subscriber up
     to its seq through replay; returns the snapshot."""
     snap = client.snapshot(rank)
     deadline = time.monotonic() + 10.0
-    while (sub.last_seq(rank) if sub.last_seq(rank) is not None else -1) < snap.seq:
-        assert time.monotonic() < deadline, f"rank {rank}: never reached seq {snap['seq']}"
+    while (-1 if (seq := sub.last_seq(rank)) is None else seq) < snap.seq:
+        assert time.monotonic() < deadline, f"rank {rank}: never reached seq {snap.seq}"
         sub.catch_up()
     return snap
 

@@ -36,7 +36,7 @@ class ServiceThread(Daemon):
 
     def start(self, timeout: float = START_TIMEOUT_S, preexec_fn: Any = None) -> ServiceThread:
         assert preexec_fn is None, "a service thread has no process to prepare"
-        self.service = Service(Settings(**self.settings))
+        self.service = Service(Settings.model_validate(self.settings))
         self._started.clear()
         self._thread = threading.Thread(target=self._run, name="kvpubd-service", daemon=True)
         self._thread.start()

@@ -7,6 +7,7 @@ with a deadline; nothing sleeps in place of synchronisation."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import time
@@ -17,7 +18,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvpubd.client import ControlClient, Received, Subscriber
+from kvpubd.client import ControlClient, Marker, Received, StoreReply, Subscriber
 from kvpubd.protocol.wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -93,9 +94,9 @@ def chain_hashes(
 
 def reference_chain(
     tokens: list[int], lora_id: int | None = None, salt: str | None = None
-) -> list[int]:
+) -> list[BlockHash]:
     """The u64 wire hashes of the full blocks of ``tokens`` (``chain_hashes``, positional)."""
-    return chain_hashes(tokens, lora_id=lora_id, cache_salt=salt)  # type: ignore[return-value]
+    return chain_hashes(tokens, lora_id=lora_id, cache_salt=salt)
 
 
 def vllm_extra_keys(
@@ -114,6 +115,12 @@ def vllm_extra_keys(
 
 def is_marker(event: Event) -> bool:
     return isinstance(event, AllBlocksCleared)
+
+
+def seq_of(marker: Marker) -> int:
+    """The seq of the batch that carried a reset's marker (None only with flush_on_reset off)."""
+    assert marker.seq is not None, f"rank {marker.rank}: the reset's marker was held back"
+    return marker.seq
 
 
 def flat_events(batches: list[Received]) -> list[tuple[int, Event]]:
@@ -202,7 +209,7 @@ class Tap:
                 if live:
                     got.extend(
                         self.until(
-                            lambda first=first, rank=rank: self.stored_seen(first, rank),
+                            functools.partial(self.stored_seen, first, rank),
                             what="the last probe",
                         )
                     )
@@ -220,7 +227,7 @@ class Tap:
         rank: int = 0,
         release: bool = True,
         **fields: Any,
-    ) -> dict[str, Any]:
+    ) -> StoreReply:
         """Store (and by default release) a prompt that adds at least one full block, then
         receive until its BlockStored arrives. Needs the periodic drain running."""
         reply = client.store(request_id, tokens, rank=rank, **fields)
@@ -272,7 +279,7 @@ def concurrent_replays(
 
     ctx = zmq.Context()
     request = [b"", (0).to_bytes(8, "big")]
-    dealers: list[zmq.Socket | None] = [None] * clients
+    dealers: list[zmq.Socket[bytes] | None] = [None] * clients
     heard = [0.0] * clients
     seqs: list[list[int]] = [[] for _ in range(clients)]
     finished: set[int] = set()

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -27,7 +27,7 @@ def bench(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
         env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    return cast(dict[str, Any], json.loads(result.stdout))
 
 
 def test_bench_reset_reports_every_size_the_baseline_and_the_floor() -> None:

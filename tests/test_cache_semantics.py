@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvpubd.client import ControlError, Mirror, Received, SnapshotReply, StatsReply
-from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 from tests.streams import reference_chain, vllm_extra_keys
@@ -27,7 +27,7 @@ CACHE_FIELDS = (
     "dropped_stored_blocks",
 )
 
-BlockKey = tuple[int, int | None, tuple[int, ...], int | None]
+BlockKey = tuple[BlockHash, BlockHash | None, tuple[int, ...], int | None]
 
 
 def toks(n: int, start: int) -> list[int]:
@@ -58,7 +58,7 @@ def stored(
     )
 
 
-def removed_hashes(events: list[Event]) -> list[int]:
+def removed_hashes(events: list[Event]) -> list[BlockHash]:
     return [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
 
 
@@ -126,7 +126,7 @@ class Probe:
         assert len(keys) == len(set(keys)), "snapshot repeats a block"
         return set(keys)
 
-    def published_hashes(self) -> set[int]:
+    def published_hashes(self) -> set[BlockHash]:
         return set(self.mirror.blocks)
 
     def cache_stats(self) -> dict[str, int]:
@@ -366,7 +366,7 @@ def test_capture_cap_drops_stores_descendants_and_their_removals(
 
         # 4 free blocks, then 3 rounds of 4 evictions: the 8 dropped blocks go silently
         # (tail-first), then the 4 published ones are removed.
-        expected_removed: list[list[int]] = [[], [], [], h[3::-1]]
+        expected_removed: list[list[BlockHash]] = [[], [], [], h[3::-1]]
         for i, filler in enumerate(fillers):
             p.client.store(f"f{i}", filler)
             next_tick(p)

@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -305,5 +305,5 @@ def test_subscribe_json_bytes_hashes(bytes_daemon: Daemon) -> None:
     assert result.returncode == 0, result.stderr
     stored = json_lines(result.stdout)[1]
     digests = chain_hashes(tokens, hash_format="bytes")
-    assert stored["block_hashes"] == [d.hex() for d in digests]
+    assert stored["block_hashes"] == [cast(bytes, d).hex() for d in digests]
     assert stored["parent_block_hash"] is None

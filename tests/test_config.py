@@ -276,7 +276,7 @@ def test_env_override_reaches_the_running_daemon(monkeypatch: pytest.MonkeyPatch
             endpoints = client.ping().endpoints
         assert endpoints[0].events == f"{daemon.events_endpoint}_dp0"
         assert endpoints[0].replay == f"{daemon.replay_endpoint}_dp0"
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(endpoints[0].replay)
@@ -387,7 +387,7 @@ def test_shipped_config_documents_every_field() -> None:
     for section, field in Settings.model_fields.items():
         model = field.annotation
         assert model is not None
-        names = set(model.model_fields)  # type: ignore[union-attr]
+        names = set(model.model_fields)
         assert set(active.get(section, {})) <= names, section
         missing = names - documented.get(section, set())
         assert not missing, f"[{section}] does not mention {sorted(missing)}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import pytest
@@ -25,7 +25,7 @@ from kvpubd.client import (
 from kvpubd.protocol.wire import BlockStored
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
-from tests.streams import chain_hashes
+from tests.streams import chain_hashes, seq_of
 
 MAX_MESSAGE_BYTES = 4096
 MAX_TOKENS = 64
@@ -44,7 +44,7 @@ REPLY_TIMEOUT = 5.0
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return cast(bytes, msgpack.packb(obj, use_bin_type=True))
 
 
 def unpack(frame: bytes) -> Any:
@@ -64,7 +64,7 @@ def check_error_reply(reply: Any, request_id: Any = None) -> dict[str, Any]:
     return error
 
 
-def dealer(daemon: Daemon, context: zmq.Context) -> zmq.Socket:
+def dealer(daemon: Daemon, context: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
     """A raw DEALER on the control socket: frames go out exactly as given."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -72,7 +72,7 @@ def dealer(daemon: Daemon, context: zmq.Context) -> zmq.Socket:
     return sock
 
 
-def recv_map(sock: zmq.Socket, timeout: float = REPLY_TIMEOUT) -> Any:
+def recv_map(sock: zmq.Socket[bytes], timeout: float = REPLY_TIMEOUT) -> Any:
     """The next reply's map (the frame after the empty delimiter)."""
     assert sock.poll(int(timeout * 1000)), "no reply from the daemon"
     frames = sock.recv_multipart()
@@ -83,14 +83,14 @@ def recv_map(sock: zmq.Socket, timeout: float = REPLY_TIMEOUT) -> Any:
 _fence_ids = itertools.count()
 
 
-def replies_before_fence(sock: zmq.Socket) -> list[Any]:
+def replies_before_fence(sock: zmq.Socket[bytes]) -> list[Any]:
     """Send a valid ping on ``sock`` and return every reply that arrived before the ping's.
 
     Replies on one connection come in request order, so this proves what an earlier message
     on the same socket was (or was not) answered with."""
     fence_id = f"fence-{next(_fence_ids)}"
     sock.send_multipart([b"", pack({"op": "ping", "id": fence_id})])
-    before = []
+    before: list[Any] = []
     while True:
         reply = recv_map(sock)
         if isinstance(reply, dict) and reply.get("id") == fence_id:
@@ -195,7 +195,7 @@ def probe(limited: Daemon) -> Iterator[Probe]:
 
 
 @pytest.fixture(scope="module")
-def context() -> Iterator[zmq.Context]:
+def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx = zmq.Context()
     yield ctx
     ctx.term()
@@ -333,7 +333,7 @@ def test_unusable_request_gets_error_and_changes_nothing(probe: Probe, name: str
     frames = NOT_MAPS[name]
     before = probe.state()
     probe.client._send_raw(frames)
-    reply = probe.client._recv_raw()
+    reply = cast(dict[str, Any], probe.client._recv_raw())
     request_id = reply.get("id") if name.startswith("extra") else None
     assert request_id in (None, 5)
     error = check_error_reply(reply, request_id)
@@ -416,7 +416,7 @@ NO_REPLY: dict[str, list[bytes]] = {
 
 @pytest.mark.parametrize("name", list(NO_REPLY))
 def test_message_without_delimiter_gets_no_reply(
-    probe: Probe, context: zmq.Context, name: str
+    probe: Probe, context: zmq.Context[zmq.Socket[bytes]], name: str
 ) -> None:
     """A DEALER message without the empty delimiter is dropped: no reply (the next valid ping
     on the same socket is the first thing answered) and nothing changes."""
@@ -431,7 +431,9 @@ def test_message_without_delimiter_gets_no_reply(
     probe.fence_store()
 
 
-def test_frame_over_hard_cap_drops_the_peer_only(probe: Probe, context: zmq.Context) -> None:
+def test_frame_over_hard_cap_drops_the_peer_only(
+    probe: Probe, context: zmq.Context[zmq.Socket[bytes]]
+) -> None:
     """A frame far over the limit (past the socket's hard cap) costs that peer its connection,
     not the daemon: nothing is answered for it, nothing changes, and everyone keeps being
     served, that peer included after it reconnects."""
@@ -456,7 +458,7 @@ def test_frame_over_hard_cap_drops_the_peer_only(probe: Probe, context: zmq.Cont
     probe.fence_store()
 
 
-def test_req_socket_is_served(probe: Probe, context: zmq.Context) -> None:
+def test_req_socket_is_served(probe: Probe, context: zmq.Context[zmq.Socket[bytes]]) -> None:
     """A REQ client (which adds the delimiter itself) gets replies, for good and bad input."""
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -612,7 +614,7 @@ def test_random_input_never_hurts_the_daemon(start_daemon: DaemonFactory) -> Non
         probe.client.resume()
         markers = probe.client.reset(force=True).markers
         (marker,) = markers
-        probe.receive_until(lambda _: probe.last_seq >= marker.seq, "the reset marker")
+        probe.receive_until(lambda _: probe.last_seq >= seq_of(marker), "the reset marker")
         assert probe.mirror.blocks == {}
         tokens = list(range(1, 3 * BLOCK_SIZE + 5))
         reply = probe.client.store("after-fuzz", tokens)

@@ -25,7 +25,9 @@ def request(op: str, number: int, **fields: Any) -> list[bytes]:
 
 
 @contextmanager
-def two_clients(endpoint: str, rcvhwm: int = 1000) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
+def two_clients(
+    endpoint: str, rcvhwm: int = 1000
+) -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
     """Two DEALERs on the control socket, each its own long-lived connection; the first
     queues at most ``rcvhwm`` replies unread (1: one unread reply stops its connection)."""
     context = zmq.Context()
@@ -42,7 +44,7 @@ def two_clients(endpoint: str, rcvhwm: int = 1000) -> Iterator[tuple[zmq.Socket,
         context.term()
 
 
-def reply_of(sock: zmq.Socket, timeout_ms: int = 10_000) -> dict[str, Any]:
+def reply_of(sock: zmq.Socket[bytes], timeout_ms: int = 10_000) -> dict[str, Any]:
     assert sock.poll(timeout_ms), "no reply: the control socket went deaf"
     return dict(msgpack.unpackb(sock.recv_multipart()[-1]))
 

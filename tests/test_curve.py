@@ -90,8 +90,10 @@ def test_secret_keys_never_logged(curve_daemon: Daemon, keys: dict[str, Path]) -
     log = curve_daemon.log()
     server_public, server_secret = zmq.auth.load_certificate(keys["server_secret"])
     assert server_public.decode() in log  # the public key is, so the check can fail
+    assert server_secret is not None  # a secret key file holds both keys
     assert server_secret.decode() not in log
     _, client_secret = zmq.auth.load_certificate(keys["client_secret"])
+    assert client_secret is not None
     assert client_secret.decode() not in log
 
 
@@ -239,6 +241,7 @@ def test_sighup_reloads_authorised_keys(curve_daemon: Daemon, keys: dict[str, Pa
         newcomer.ping()
     public = keys["intruder_secret"].with_suffix(".key")
     (keys["allowed"] / "newcomer.key").write_bytes(public.read_bytes())
+    assert curve_daemon.proc is not None
     curve_daemon.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: "SIGHUP: reloaded" in curve_daemon.log(), what="the reload")
     assert "2 authorised CURVE client key(s)" in curve_daemon.log()

@@ -12,7 +12,7 @@ from kvpubd.client import Mirror
 from kvpubd.protocol.wire import decode_batch
 from tests.conftest import DaemonFactory
 from tests.streams import vllm_extra_keys
-from tests.test_wire import STORED, decode, published
+from tests.test_wire import STORED, MapBlockStored, decode, published
 
 BS = 16
 
@@ -63,6 +63,7 @@ def test_extra_keys_and_cache_salt_follow_vllm(
         assert event.lora_name == lora_name, request
         assert event.extra_keys == vllm_extra_keys(cached, count, lora_name, salt), request
         if wire_format == "map":
+            assert isinstance(event, MapBlockStored)
             assert event.cache_salt == salt, request
     hashes = [h for e in stores[:2] + stores[3:] for h in e.block_hashes]
     assert len(set(hashes)) == len(hashes), "plain, salted and LoRA blocks must not collide"

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvpubd.client import ControlError, replay
+from kvpubd.client import ControlClient, ControlError, replay
 from kvpubd.protocol.config import rank_endpoint
-from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, decode_batch
+from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockStored, decode_batch
 from tests.conftest import DaemonFactory
 from tests.daemon import wait_for
 from tests.mirrors import (
@@ -47,7 +47,7 @@ def report(fault: str, **numbers: object) -> None:
     print(f"\nfault: {fault}: " + ", ".join(f"{k}={v}" for k, v in numbers.items()))
 
 
-def stall_then_read(sub: AnySubscriber, client, rank: int = 0) -> None:
+def stall_then_read(sub: AnySubscriber, client: ControlClient, rank: int = 0) -> None:
     """Store while the subscriber does not read; then read while a few more stores go out, so
     a later live batch reveals whatever the PUB dropped."""
     for _ in range(STALL_STORES):
@@ -117,6 +117,7 @@ def test_history_gone_resyncs_from_snapshot(start_daemon: DaemonFactory, form: s
     assert (counters.restarts, counters.lost, counters.violations) == (0, 0, 0)
     seqs = record.seqs(0)
     assert seqs == sorted(set(seqs)), "a batch was delivered twice or out of order"
+    assert last is not None
     report(
         f"history gone ({form})",
         published=len(record.run_seqs(0, last)),
@@ -235,6 +236,7 @@ def test_kill9_and_restart_under_load(start_daemon: DaemonFactory, form: str) ->
         pump(sub, lambda: len(record.batches[0]) >= 50, what="load before the kill")
         assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
         applied_before = sub.last_seq(0)
+        assert applied_before is not None
         with pytest.raises(TimeoutError):  # nobody answers now; the next call asks again
             sub.catch_up()
         daemon.start()  # same config, same endpoints: a new run
@@ -326,13 +328,14 @@ def test_sigterm_under_load_delivers_everything_captured(start_daemon: DaemonFac
             go_live(sub, client, [0])
         loader.start()
         pump(sub, lambda: len(record.batches[0]) >= 200, what="load before the signal")
-        assert daemon.proc is not None
-        daemon.proc.send_signal(signal.SIGTERM)
-        pump(sub, lambda: daemon.proc.poll() is not None, what="the daemon to exit")
+        proc = daemon.proc
+        assert proc is not None
+        proc.send_signal(signal.SIGTERM)
+        pump(sub, lambda: proc.poll() is not None, what="the daemon to exit")
         loader.stop()
         wanted = {chain_hashes(tokens)[0] for _, tokens in loader.acked}
 
-        def stored() -> set:
+        def stored() -> set[BlockHash]:
             return {
                 e.block_hashes[0]
                 for b in record.batches[0]
@@ -422,10 +425,10 @@ def soak(start_daemon: DaemonFactory, seconds: float, seed: int) -> None:
                     del open_requests[request_id]
                     operations["release"] += 1
                 elif roll >= 0.93:
-                    rank = rng.choice([0, 1, None])
-                    client.reset(rank, force=True)  # force drops the open requests it pins
+                    reset_rank = rng.choice([0, 1, None])
+                    client.reset(reset_rank, force=True)  # force drops the open requests it pins
                     for request_id, r in list(open_requests.items()):
-                        if rank is None or r == rank:
+                        if reset_rank is None or r == reset_rank:
                             del open_requests[request_id]
                     operations["reset"] += 1
                 for sub, every, calls in zip(subs, read_every, read_calls, strict=True):

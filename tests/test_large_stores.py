@@ -42,7 +42,7 @@ def large_daemon(start_daemon: DaemonFactory) -> Daemon:
 
 
 @contextmanager
-def control_dealer(daemon: Daemon) -> Iterator[zmq.Socket]:
+def control_dealer(daemon: Daemon) -> Iterator[zmq.Socket[bytes]]:
     """A raw DEALER on the daemon's control socket, for requests sent back to back."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
@@ -56,13 +56,13 @@ def control_dealer(daemon: Daemon) -> Iterator[zmq.Socket]:
 
 
 @pytest.fixture
-def dealer(large_daemon: Daemon) -> Iterator[zmq.Socket]:
+def dealer(large_daemon: Daemon) -> Iterator[zmq.Socket[bytes]]:
     with control_dealer(large_daemon) as sock:
         yield sock
 
 
 def send_all(
-    sock: zmq.Socket, *requests: dict[str, Any], daemon: Daemon | None = None
+    sock: zmq.Socket[bytes], *requests: dict[str, Any], daemon: Daemon | None = None
 ) -> list[dict[str, Any]]:
     """Send the requests back to back on one DEALER; the replies in the order they came. With
     ``daemon``, it is stopped (SIGSTOP) while they are sent, so that they reach it together
@@ -77,7 +77,7 @@ def send_all(
         if daemon is not None:
             assert daemon.proc is not None
             daemon.proc.send_signal(signal.SIGCONT)
-    replies = []
+    replies: list[dict[str, Any]] = []
     while len(replies) < len(requests):
         assert sock.poll(30_000), f"replies so far: {replies}"
         replies.append(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))
@@ -85,7 +85,7 @@ def send_all(
 
 
 def test_stores_keep_arrival_order_behind_a_large_one(
-    large_daemon: Daemon, dealer: zmq.Socket
+    large_daemon: Daemon, dealer: zmq.Socket[bytes]
 ) -> None:
     """A small store sent right behind a large one sharing its prefix is answered after it,
     and finds the large store's blocks cached."""
@@ -106,7 +106,7 @@ def test_stores_keep_arrival_order_behind_a_large_one(
 
 
 def test_duplicate_id_of_a_store_under_way_is_refused(
-    large_daemon: Daemon, dealer: zmq.Socket
+    large_daemon: Daemon, dealer: zmq.Socket[bytes]
 ) -> None:
     replies = send_all(
         dealer,
@@ -120,7 +120,7 @@ def test_duplicate_id_of_a_store_under_way_is_refused(
 
 
 def test_reset_behind_a_large_store_is_answered_first_and_the_stream_stays_exact(
-    large_daemon: Daemon, dealer: zmq.Socket
+    large_daemon: Daemon, dealer: zmq.Socket[bytes]
 ) -> None:
     sub = subscriber("sync", large_daemon)
     try:
@@ -168,13 +168,15 @@ def test_a_store_hashed_in_slices_chains_across_them(
             assert_mirror_is_snapshot(sub, client, [0])
             expected = chain_hashes(np.frombuffer(tokens, "<u4").tolist(), algorithm=algorithm)
             # (besides the blocks go_live stored)
-            assert set(expected) <= set(sub.mirror(0).blocks)
+            mirror = sub.mirror(0)
+            assert mirror is not None
+            assert set(expected) <= set(mirror.blocks)
     finally:
         sub.close()
 
 
 def test_release_sent_right_behind_a_large_store_releases_it(
-    large_daemon: Daemon, dealer: zmq.Socket
+    large_daemon: Daemon, dealer: zmq.Socket[bytes]
 ) -> None:
     """A client that pipelines store and release (as engines and the load generator do) gets
     the release applied once the store is done, answered right after it: nothing stays

@@ -23,7 +23,7 @@ FORBIDDEN = {
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import in the file, function-level ones included."""
-    found = []
+    found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.extend((node.lineno, alias.name) for alias in node.names)

@@ -39,7 +39,7 @@ def request(op: str, id_: int, **fields: object) -> list[bytes]:
     return [b"peer", b"", msgpack.packb({"op": op, "id": id_, **fields})]
 
 
-def receive_marker(sub: zmq.Socket, timeout_s: float) -> int | None:
+def receive_marker(sub: zmq.Socket[bytes], timeout_s: float) -> int | None:
     """Read the SUB socket (no loop turn in between) until a batch holding AllBlocksCleared
     arrives; its seq, or None when none came within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -180,7 +180,7 @@ def test_shutdown_delivers_queued_batches_to_a_slow_tcp_subscriber() -> None:
             context.term()
 
 
-def _probe(client: ControlClient, sub: zmq.Socket) -> bool:
+def _probe(client: ControlClient, sub: zmq.Socket[bytes]) -> bool:
     client.reset()
     return receive_marker(sub, 0.1) is not None
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
 import pytest
 
+from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.service import Service
 from kvpubd.protocol.int_arrays import DECODE_SLICE
@@ -43,7 +44,7 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
         yield started
 
 
-def send_frame(service: Service, frame: bytes) -> bytes | Pending[bytes] | Pending[memoryview]:
+def send_frame(service: Service, frame: bytes) -> Reply:
     assert service.control is not None
     reply = service.control.handle_frames([b"peer", b"", frame])
     assert reply is not None
@@ -53,11 +54,11 @@ def send_frame(service: Service, frame: bytes) -> bytes | Pending[bytes] | Pendi
 def store_frame(request_id: str, token_ids: Any, **fields: Any) -> bytes:
     request = {"op": "store", "id": request_id, "request_id": request_id, **fields}
     request["token_ids"] = token_ids  # last, as the client library sends it
-    return msgpack.packb(request, use_bin_type=True)
+    return cast(bytes, msgpack.packb(request, use_bin_type=True))
 
 
 def tokens(count: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 1 << 32, size=count).tolist()
+    return cast(list[int], np.random.default_rng(seed).integers(0, 1 << 32, size=count).tolist())
 
 
 async def test_a_bad_token_at_the_end_is_found_slices_later_and_a_reset_goes_first(

@@ -60,9 +60,10 @@ def test_journal_priorities_and_sighup_reload(
     daemon keeps running (before, SIGHUP killed it without a word)."""
     monkeypatch.setenv("JOURNAL_STREAM", "8:12345")
     daemon = start_daemon(service={"log_level": "info"})
+    assert daemon.proc is not None
 
     def dropped_a_message() -> None:  # a line the daemon logs at debug only
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(daemon.control_endpoint)
         try:

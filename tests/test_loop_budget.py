@@ -19,7 +19,7 @@ from kvpubd.tools.bench_load import Load, LoadSpec
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 from tests.mirrors import snapshot_blocks
-from tests.streams import BLOCK_SIZE, Tap, concurrent_replays, prompt, seq_key
+from tests.streams import BLOCK_SIZE, Tap, concurrent_replays, prompt, seq_key, seq_of
 
 # Blocks as small as the pool allows: these tests are about the loop, not memory.
 TINY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
@@ -27,8 +27,8 @@ BOUND_S = 20.0  # a bound against hanging, far above anything a healthy daemon n
 
 
 def assert_marker_published(tap: Tap, marker: Marker) -> None:
-    tap.through({marker.rank: marker.seq}, timeout=BOUND_S)
-    batch = tap.batch(marker.rank, marker.seq)
+    tap.through({marker.rank: seq_of(marker)}, timeout=BOUND_S)
+    batch = tap.batch(marker.rank, seq_of(marker))
     assert any(isinstance(e, AllBlocksCleared) for e in batch.batch.events)
 
 
@@ -113,7 +113,7 @@ def test_reset_goes_ahead_of_a_large_snapshot(start_daemon: DaemonFactory) -> No
             # is complete at its last.)
             for request in ({"op": "snapshot", "id": "snap"}, {"op": "reset", "id": "reset"}):
                 sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
-            replies = []
+            replies: list[dict[str, Any]] = []
             while not any(r.get("id") == "snap" for r in replies) or len(replies) < 2:
                 assert sock.poll(int(BOUND_S * 1000)), f"replies so far: {len(replies)}"
                 replies.append(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))
@@ -133,7 +133,7 @@ def test_reset_goes_ahead_of_a_large_snapshot(start_daemon: DaemonFactory) -> No
             if received.seq <= snapshot.seq:
                 mirror.apply(received.batch.events)
         assert mirror.blocks == snapshot_blocks(snapshot)
-        if snapshot.seq < marker.seq:
+        if snapshot.seq < seq_of(marker):
             assert len(mirror.blocks) >= blocks
         else:
             assert mirror.blocks == {}
@@ -200,7 +200,7 @@ def test_maximal_store_and_a_concurrent_reset_are_both_answered(
             store = {"op": "store", "id": "big", "request_id": "big", "token_ids": tokens.tobytes()}
             for request in (store, {"op": "reset", "id": "reset", "force": True}):
                 sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
-            replies = {}
+            replies: dict[str, dict[str, Any]] = {}
             while len(replies) < 2:
                 assert sock.poll(int(BOUND_S * 1000)), f"answered: {sorted(replies)}"
                 reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
@@ -261,13 +261,13 @@ def test_a_client_gets_one_snapshot_of_a_rank_at_a_time(start_daemon: DaemonFact
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(daemon.control_endpoint)
 
-        def send(sock: zmq.Socket, *ids: int) -> None:
+        def send(sock: zmq.Socket[bytes], *ids: int) -> None:
             for request_id in ids:
                 request = {"op": "snapshot", "id": request_id}
                 sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
 
-        def replies(sock: zmq.Socket, count: int) -> list[dict[str, Any]]:
-            got = []
+        def replies(sock: zmq.Socket[bytes], count: int) -> list[dict[str, Any]]:
+            got: list[dict[str, Any]] = []
             while len(got) < count:
                 assert sock.poll(int(BOUND_S * 1000)), f"replies so far: {len(got)}"
                 got.append(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))

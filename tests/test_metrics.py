@@ -13,6 +13,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import msgpack
 import msgspec
@@ -85,7 +86,11 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
             while len(during) < 6:
                 # Scrape once more events were published: the load is running.
                 seen = len(tap.history)
-                tap.until(lambda seen=seen: len(tap.history) > seen + 5, what="load's batches")
+
+                def loaded(seen: int = seen) -> bool:
+                    return len(tap.history) > seen + 5
+
+                tap.until(loaded, what="load's batches")
                 assert thread.is_alive()
                 during.append(samples(scrape(url)[1]))
                 if len(during) == reset_at:
@@ -98,7 +103,7 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
 
         # Refused requests, each of a different kind.
         client._send_raw([b"\xc1"])  # not msgpack
-        assert client._recv_raw()["error"]["code"] == "bad_request"
+        assert cast(dict[str, Any], client._recv_raw())["error"]["code"] == "bad_request"
         with pytest.raises(ControlError, match="unknown_op"):
             client._call("frobnicate")
         with pytest.raises(ControlError, match="bad_request"):
@@ -110,8 +115,8 @@ def test_scrapes_during_load_match_what_a_subscriber_saw(start_daemon: StartDaem
 
     # Counters never go down between scrapes.
     for earlier, later in zip([before, *during], [*during, after], strict=True):
-        for key, count in counters(earlier).items():
-            assert later.get(key, 0.0) >= count, key
+        for metric, count in counters(earlier).items():
+            assert later.get(metric, 0.0) >= count, metric
 
     # What the subscriber received: every seq of the run, once.
     history = tap.history

@@ -106,7 +106,8 @@ def test_checksum_refuses_bad_block_ids(daemon: Any) -> None:
         assert client.checksum([]).checksums == []
 
 
-def shm_path(name: str) -> Path:
+def shm_path(name: str | None) -> Path:
+    assert name is not None, "the pool is not in shared memory"
     return Path("/dev/shm") / name.lstrip("/")
 
 

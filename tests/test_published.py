@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpubd.daemon.published import PublishedRecord
+from kvpubd.daemon.published import FrozenView, PublishedRecord
 
 
 class Model:
@@ -35,7 +35,7 @@ class Model:
         del self.live[block_id]
 
 
-def drain(view, model: Model, step: int = 3) -> list[tuple[int, str]]:
+def drain(view: FrozenView, model: Model, step: int = 3) -> list[tuple[int, str]]:
     out = []
     while not view.finished:
         for block_id, saved in view.take(step):

@@ -19,7 +19,7 @@ from kvpubd.protocol.config import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, pack_seq
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
-from tests.streams import concurrent_replays
+from tests.streams import concurrent_replays, seq_of
 
 BATCHES = 5 * REPLAY_CHUNK + 17
 RING_STORES = 600
@@ -34,11 +34,11 @@ def publish_batches(daemon: Daemon, count: int) -> int:
     with daemon.client() as client:
         for _ in range(count):
             (marker,) = client.reset().markers
-        return marker.seq
+        return seq_of(marker)
 
 
 def local_publisher(
-    context: zmq.Context, directory: Path, buffer_steps: int
+    context: zmq.Context[zmq.Socket[bytes]], directory: Path, buffer_steps: int
 ) -> Publisher[ZmqTransport]:
     """A publisher in this process (no loop runs it unless the test starts one), on ipc."""
     return Publisher.over_zmq(
@@ -88,7 +88,7 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
 
     def replayed() -> list[int]:
         """Pump the publisher (no loop runs here) until the replay's end marker arrives."""
-        seqs = []
+        seqs: list[int] = []
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             publisher.transport.handle_replay()
@@ -176,7 +176,7 @@ async def test_a_replay_waiting_for_its_snapshot_ends_quietly_when_the_publisher
     snapshot: asyncio.Future[object] = loop.create_future()  # never built
     context = zmq.Context()
     publisher = local_publisher(context, tmp_path, buffer_steps=2)
-    publisher.history.lost_history = lambda: SimpleNamespace(result=snapshot)  # type: ignore[assignment,return-value]
+    publisher.history.lost_history = lambda: SimpleNamespace(result=snapshot)
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     try:

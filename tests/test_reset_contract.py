@@ -38,6 +38,7 @@ from tests.streams import (
     is_marker,
     prompt,
     seq_key,
+    seq_of,
     stores,
     vllm_extra_keys,
 )
@@ -347,7 +348,7 @@ def check_replay_keeps_marker(start_daemon: StartDaemon, framing: str) -> None:
         store_released(client, "p", prompt(1, 2))
         [marker] = client.reset().markers
         client.resume()
-        seq = marker.seq
+        seq = seq_of(marker)
         [received] = tap.through({0: seq})
         assert (received.seq, received.replayed) == (seq, False)
         assert is_marker(received.batch.events[-1])
@@ -397,7 +398,7 @@ def test_twenty_resets_give_twenty_markers_on_gap_free_seqs(start_daemon: StartD
             if i % 2:
                 store_released(client, f"r{i}", prompt(i, 1))
             [marker] = client.reset().markers
-            seqs.append(marker.seq)
+            seqs.append(seq_of(marker))
         assert seqs == list(range(before + 1, before + 1 + n))
         got = tap.through({0: seqs[-1]})
         assert [(b.seq, b.replayed) for b in got] == [(s, False) for s in seqs]
@@ -518,9 +519,9 @@ def test_reset_while_blocks_are_pinned_is_busy_unless_forced(start_daemon: Start
         before_state = state()
         before = tap.last_seq()
         assert before_state[0] == before
-        for kwargs in ({}, {"rank": 0}):
+        for rank in (None, 0):
             with pytest.raises(ControlError) as refused:
-                client.reset(**kwargs)
+                client.reset(rank)
             assert refused.value.code == "busy"
         assert state() == before_state
 

@@ -26,6 +26,7 @@ from kvpubd.protocol.wire import unpack_seq
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 from tests.mirrors import Record, pump, snapshot_blocks, store_released, unique_prompt
+from tests.streams import seq_of
 
 # Restarts by kill -9 and SIGTERM: processes.
 pytestmark = pytest.mark.process
@@ -142,11 +143,11 @@ def test_continue_origin_carries_the_seqs_across_restarts(
 
 def raw_replay(daemon: Daemon, start: int) -> list[tuple[int, list[object]]]:
     """(seq, events) of every batch a plain DEALER's replay from ``start`` returns."""
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(rank_endpoint(daemon.replay_endpoint, 0))
     dealer.send_multipart([b"", start.to_bytes(8, "big")])
-    got = []
+    got: list[tuple[int, list[object]]] = []
     try:
         while dealer.poll(10_000):
             _, _, seq, payload = dealer.recv_multipart()
@@ -261,7 +262,7 @@ def test_a_subscriber_joining_an_idle_daemon_hears_a_heartbeat(
     """Nothing is published after start-up; a SUB socket that connects still receives a batch:
     ``[ts, [], rank]`` with the next seq, kept for replay and counted as a batch."""
     daemon = start_daemon(events={"heartbeat_ms": HEARTBEAT_MS})
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -295,7 +296,7 @@ def test_a_heartbeat_reveals_a_missed_reset_marker(relayed: tuple[Daemon, Relay]
             # (A heartbeat sent before the SUB was connected may already have made a gap.)
             before = copy.copy(sub.rank_counters(0))
             relay.open.clear()
-            marker = client.reset().markers[0].seq
+            marker = seq_of(client.reset().markers[0])
             wait_for(lambda: relay.seen >= marker, what="the relay to drop the marker")
             relay.open.set()
         pump(sub, lambda: (sub.last_seq(0) or 0) > marker, what="the heartbeat after the reset")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -39,7 +40,7 @@ def serve(config: Path, timeout: float = 30.0) -> subprocess.CompletedProcess[st
 
 def published_after(daemon: Daemon, client: ControlClient) -> bool:
     """A subscriber connected now receives the batch of a store made now."""
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.subscribe(b"")
@@ -63,7 +64,7 @@ def published_after(daemon: Daemon, client: ControlClient) -> bool:
 
 @pytest.mark.parametrize("first", ["curve", "busy"])
 def test_second_daemon_refuses_and_touches_nothing(tmp_path: Path, first: str) -> None:
-    overrides: dict = {}
+    overrides: dict[str, dict[str, Any]] = {}
     curve = None
     if first == "curve":
         # The first daemon cannot answer an unauthenticated ping: a ping probe calls it dead.
@@ -80,6 +81,7 @@ def test_second_daemon_refuses_and_touches_nothing(tmp_path: Path, first: str) -
     daemon = Daemon(overrides, curve=curve)
     try:
         daemon.start()
+        assert daemon.proc is not None
         control_file = Path(daemon.control_endpoint.removeprefix("ipc://"))
         segment = Path("/dev/shm") / pool_segment_name(daemon.control_endpoint, 0)
         assert control_file.exists() and segment.exists()
@@ -128,6 +130,7 @@ def test_second_daemon_on_a_tcp_control_endpoint_refuses(tmp_path: Path) -> None
         )
         second = serve(config)
         assert second.returncode == 1
+        assert daemon.proc is not None
         assert f"is in use by a running daemon (pid {daemon.proc.pid})" in second.stderr
         with daemon.client() as client:
             assert client.ping().epoch == daemon.epoch
@@ -161,6 +164,7 @@ def test_second_daemon_on_another_control_endpoint_keeps_off_the_ipc_sockets(
         second = serve(config)
         assert second.returncode == 1, second.stderr
         base = daemon.events_endpoint if shared == "events" else daemon.replay_endpoint
+        assert daemon.proc is not None
         assert second.stderr.strip().splitlines() == [
             f"kvpubd: cannot start: rank 1 {shared} endpoint {base}_dp1 is in use by a running "
             f"daemon (pid {daemon.proc.pid})"
@@ -208,7 +212,7 @@ def test_abstract_ipc_control_endpoint(tmp_path: Path, monkeypatch: pytest.Monke
 def test_failed_start_leaves_no_directory_and_logs_no_stopped(tmp_path: Path) -> None:
     """A start that fails after the control socket's directory was made (its PUB port is
     taken) removes that directory again and does not log `stopped`."""
-    blocker = zmq.Context.instance().socket(zmq.PUB)
+    blocker: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
     blocker.setsockopt(zmq.LINGER, 0)
     port = blocker.bind_to_random_port("tcp://127.0.0.1")
     try:

@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.kernels import numpy_checksum
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import CHECKSUM_SLICE_BYTES, SCRUB_SLICE_BYTES, HostPool
@@ -32,7 +33,7 @@ async def service(tmp_path: Path) -> AsyncIterator[Service]:
         yield started
 
 
-def send(service: Service, op: str, **fields: Any) -> bytes | Pending[bytes] | Pending[memoryview]:
+def send(service: Service, op: str, **fields: Any) -> Reply:
     assert service.control is not None
     frames = [b"peer", b"", msgpack.packb({"op": op, "id": op, **fields}, use_bin_type=True)]
     reply = service.control.handle_frames(frames)
@@ -40,7 +41,7 @@ def send(service: Service, op: str, **fields: Any) -> bytes | Pending[bytes] | P
     return reply
 
 
-def answer(reply: bytes | Pending[bytes] | Pending[memoryview]) -> dict[str, Any]:
+def answer(reply: Reply) -> dict[str, Any]:
     assert isinstance(reply, bytes), reply
     decoded: dict[str, Any] = msgpack.unpackb(reply, raw=False)
     assert decoded["ok"], decoded
@@ -48,7 +49,9 @@ def answer(reply: bytes | Pending[bytes] | Pending[memoryview]) -> dict[str, Any
 
 
 def pool_data(service: Service) -> np.ndarray:
-    data = service.pipelines[0].cache.pool.data
+    pool = service.pipelines[0].cache.pool
+    assert isinstance(pool, HostPool)
+    data = pool.data
     assert isinstance(data, np.ndarray)
     return data
 

@@ -62,7 +62,11 @@ def test_single_rank_daemons_publish_their_own_rank_on_shared_endpoints(
         assert b.store("q", q).rank == 1
         assert b.store("q-again", q, rank=1).num_cached_tokens == len(q)
     for daemon in rank_daemons:
-        wait_for(lambda daemon=daemon: published(daemon) >= 0, what="the stores published")
+
+        def flushed(daemon: Daemon = daemon) -> bool:
+            return published(daemon) >= 0
+
+        wait_for(flushed, what="the stores published")
     with Subscriber(first.events_endpoint, first.replay_endpoint, ranks=[0, 1]) as sub:
         batches = sub.catch_up()
     stored = {

@@ -114,7 +114,7 @@ class ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     data_parallel_rank: int | None
 
 
-DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
+DECODERS: dict[str, msgspec.msgpack.Decoder[MapBatch | ArrayBatch]] = {
     "map": msgspec.msgpack.Decoder(MapBatch),
     "array": msgspec.msgpack.Decoder(ArrayBatch),
 }
@@ -144,7 +144,7 @@ def decode(wire_format: str, payload: bytes) -> MapBatch | ArrayBatch:
 
 def replay_raw(endpoint: str, start: int) -> list[list[bytes]]:
     """Every replayed message from ``start`` as ``[topic, seq, payload]``, end marker excluded."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -227,7 +227,7 @@ class Capture:
 def run_workload(daemon: Daemon, wire_format: str, topic: str) -> Capture:
     """Stores (with and without LoRA), evictions from an 8-block pool and resets, captured on a
     raw SUB socket (all topics) and by a replay from 0 afterwards."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -480,9 +480,9 @@ def test_block_hashes_follow_the_documented_chain(
         assert all(isinstance(h, int) and -(1 << 63) <= h < 1 << 63 for h in all_hashes)
     else:
         size = 32 if algorithm == "sha256" else 16
-        for h in all_hashes:
-            assert isinstance(h, bytes) and len(h) == size
-            assert b"\xc4" + bytes([size]) + h in raw
+        for digest in all_hashes:
+            assert isinstance(digest, bytes) and len(digest) == size
+            assert b"\xc4" + bytes([size]) + digest in raw
 
 
 def test_partial_tail_blocks_are_never_published(start_daemon: DaemonFactory) -> None:
@@ -528,7 +528,7 @@ def test_strict_vllm_decoders_accept_a_heartbeat(
     """An idle rank's heartbeat is ``[ts, [], rank]`` with the next seq: vLLM's strict
     decoders read it as a batch with no events, live and through replay alike."""
     daemon = start_daemon(events={"wire_format": wire_format, "heartbeat_ms": 100})
-    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.connect(f"{daemon.events_endpoint}_dp0")

@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import ControlError, Mirror, Received
-from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
-from tests.streams import reference_chain
+from tests.streams import reference_chain, seq_of
 
 BS = 16  # the test daemon's block_size
 PREFIX_BLOCKS = 10
@@ -46,10 +46,10 @@ CACHE_FIELDS = (
     "dropped_stored_blocks",
 )
 
-BlockKey = tuple[int, int | None, tuple[int, ...], int | None]
+BlockKey = tuple[BlockHash, BlockHash | None, tuple[int, ...], int | None]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[BlockHash], b: list[BlockHash]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -61,7 +61,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @dataclass
 class Open:
     block_ids: list[int]
-    hashes: list[int]
+    hashes: list[BlockHash]
     has_tail: bool
 
 
@@ -137,7 +137,7 @@ class Workload:
         self.client.resume()
         markers = self.client.reset(force=True).markers
         assert [m.rank for m in markers] == [0]
-        self.example_marker = markers[0].seq
+        self.example_marker = seq_of(markers[0])
         self.markers.add(self.example_marker)
         self.open.clear()
         self.mirror = Mirror(block_size=BS)
@@ -169,8 +169,8 @@ class Workload:
         assert cached % BS == 0 and cached <= len(hashes) * BS
         # Blocks pinned by open requests stay cached under the same ids: a shared prefix with
         # any open request is matched, and a block id names one block hash at a time.
-        id_to_hash: dict[int, int | None] = {}
-        hash_to_id: dict[int, int] = {}
+        id_to_hash: dict[int, BlockHash | None] = {}
+        hash_to_id: dict[BlockHash, int] = {}
         for other in self.open.values():
             shared = common_prefix(hashes, other.hashes)
             assert cached >= shared * BS, "an open request's pinned prefix was not matched"
@@ -218,7 +218,7 @@ class Workload:
             assert self.cache_stats() == before
             return
         markers = self.client.reset(force=force).markers
-        self.markers.update(m.seq for m in markers)
+        self.markers.update(seq_of(m) for m in markers)
         self.open.clear()
 
     def check(self) -> None:

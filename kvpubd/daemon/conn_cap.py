@@ -59,7 +59,7 @@ class ConnectionCap:
 
     def __init__(
         self,
-        sock: zmq.Socket,
+        sock: zmq.Socket[bytes],
         gate: ListenerGate | IpcListener,
         cap: int,
         name: str,
@@ -78,7 +78,7 @@ class ConnectionCap:
     @classmethod
     def create(
         cls,
-        sock: zmq.Socket,
+        sock: zmq.Socket[bytes],
         bound: str,
         cap: int,
         name: str,

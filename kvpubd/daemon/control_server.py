@@ -62,13 +62,17 @@ class StartupError(RuntimeError):
 
 class ControlServer:
     def __init__(
-        self, context: zmq.Context, config: ControlConfig, handler: Handler, metrics: MetricsHooks
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        config: ControlConfig,
+        handler: Handler,
+        metrics: MetricsHooks,
     ) -> None:
         self._context = context
         self._config = config
         self._handler = handler
         self._metrics = metrics
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._curve: CurveServer | None = None
         self._fd: int | None = None
         self._serve_scheduled = False  # a _serve waits in the loop's ready queue
@@ -81,7 +85,7 @@ class ControlServer:
         self._deferred: set[bytes] = set()
 
     @property
-    def socket(self) -> zmq.Socket | None:
+    def socket(self) -> zmq.Socket[bytes] | None:
         return self._sock
 
     @property

@@ -35,7 +35,7 @@ class EncodedArray:
             self.count += len(items)
 
     def encode(self) -> bytes:
-        return _packer.pack_array_header(self.count) + b"".join(self._parts)
+        return cast(bytes, _packer.pack_array_header(self.count)) + b"".join(self._parts)
 
     def decode(self) -> list[int]:
         """The items (for tests and logs; replies use ``encode``)."""

@@ -57,7 +57,7 @@ def ipc_path(endpoint: str) -> Path | None:
     return None if address.startswith("@") or address == "*" else Path(address)
 
 
-def bind_ipc_safely(sock: zmq.Socket, endpoint: str) -> None:
+def bind_ipc_safely(sock: zmq.Socket[bytes], endpoint: str) -> None:
     """Bind; for an abstract name, from an empty directory: libzmq unlinks the path it is
     given before binding, and would remove a file named ``@name`` in the working directory."""
     if not endpoint.startswith("ipc://@"):

@@ -209,7 +209,8 @@ class _StateCollector(Collector):
         cumulative, buckets = 0, []
         for bound, count in zip([*RESET_BUCKETS, float("inf")], metrics.reset_counts, strict=True):
             cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
+            # prometheus_client leaves floatToGoString unannotated.
+            buckets.append((floatToGoString(bound), cumulative))  # type: ignore[no-untyped-call]
         yield HistogramMetricFamily(
             "kvpubd_reset_duration_seconds",
             "Time the reset handler took, from the request to the marker handed to ZeroMQ.",

@@ -21,7 +21,7 @@ U = TypeVar("U")
 
 class Pending(Generic[T]):
     def __init__(self) -> None:
-        self._callbacks: list[Callable[[T | None, BaseException | None], None]] = []
+        self._callbacks: list[Callable[[T | None, BaseException | None], object]] = []
         self._outcome: tuple[T | None, BaseException | None] | None = None
 
     @classmethod
@@ -50,7 +50,7 @@ class Pending(Generic[T]):
     def fail(self, error: BaseException) -> None:
         self._finish(None, error)
 
-    def then(self, callback: Callable[[T | None, BaseException | None], None]) -> None:
+    def then(self, callback: Callable[[T | None, BaseException | None], object]) -> None:
         """Call ``callback(value, error)`` when done (at once if it is already)."""
         if self._outcome is not None:
             callback(*self._outcome)

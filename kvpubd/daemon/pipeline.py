@@ -43,7 +43,7 @@ class RankPipeline:
         self,
         rank: int,
         settings: Settings,
-        context: zmq.Context,
+        context: zmq.Context[zmq.Socket[bytes]],
         metrics: MetricsHooks,
         reaper: Reaper,
         drain_paused: Callable[[], bool] = lambda: False,

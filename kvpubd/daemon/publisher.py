@@ -33,7 +33,7 @@ class Publisher(Generic[T]):
     @classmethod
     def over_zmq(
         cls,
-        context: zmq.Context,
+        context: zmq.Context[zmq.Socket[bytes]],
         *,
         endpoint: str,
         replay_endpoint: str = "",

@@ -87,7 +87,7 @@ class Service:
             _create_metrics(self) if settings.metrics.port else NullMetrics()
         )
         self.operations = Operations(self.pipelines, settings, self.metrics, self.epoch)
-        self._context: zmq.Context | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self.control: ControlServer | None = None
         self._exit = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []

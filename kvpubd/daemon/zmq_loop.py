@@ -11,12 +11,12 @@ from typing import cast
 import zmq
 
 
-def reader_fd(sock: zmq.Socket) -> int:
+def reader_fd(sock: zmq.Socket[bytes]) -> int:
     """The FD to register as a loop reader for ``sock``."""
     return cast(int, sock.getsockopt(zmq.FD))
 
 
-def readable(sock: zmq.Socket) -> bool:
+def readable(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message waits on ``sock`` (re-arms its FD)."""
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
@@ -28,7 +28,7 @@ LIVE_AFFINITY = 0b01
 REPLAY_AFFINITY = 0b10
 
 
-def new_context() -> zmq.Context:
+def new_context() -> zmq.Context[zmq.Socket[bytes]]:
     return zmq.Context(io_threads=IO_THREADS)
 
 
@@ -37,7 +37,9 @@ def new_context() -> zmq.Context:
 HANDSHAKE_IVL_MS = 10_000
 
 
-def listener(sock: zmq.Socket, affinity: int, context: zmq.Context) -> zmq.Socket:
+def listener(
+    sock: zmq.Socket[bytes], affinity: int, context: zmq.Context[zmq.Socket[bytes]]
+) -> zmq.Socket[bytes]:
     """Set up a socket about to be bound: served from the I/O threads in ``affinity`` where the
     context has them (a mask naming no existing thread would leave the socket without one),
     peers that never greet dropped after HANDSHAKE_IVL_MS. Before the bind: libzmq copies a

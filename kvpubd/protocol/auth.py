@@ -60,7 +60,9 @@ def load_public_certificate(path: Path) -> bytes:
 class CurveServer:
     """Makes a socket a CURVE server that admits only the authorised clients."""
 
-    def __init__(self, context: zmq.Context, secret_file: Path, authorized_dir: Path) -> None:
+    def __init__(
+        self, context: zmq.Context[zmq.Socket[bytes]], secret_file: Path, authorized_dir: Path
+    ) -> None:
         self.public, self._secret = load_secret_certificate(secret_file)
         if not authorized_dir.is_dir():
             raise AuthError(f"{authorized_dir}: not a directory of client public keys")
@@ -108,7 +110,7 @@ class CurveServer:
         admitted = self._authenticator.certs.get("*", {})
         return user_id.encode() in admitted
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket[bytes]) -> None:
         sock.curve_secretkey = self._secret
         sock.curve_publickey = self.public
         sock.curve_server = True
@@ -161,7 +163,9 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         )
 
 
-def apply_curve_client(sock: zmq.Socket, secret_file: Path, server_public_file: Path) -> None:
+def apply_curve_client(
+    sock: zmq.Socket[object], secret_file: Path, server_public_file: Path
+) -> None:
     """Make ``sock`` a CURVE client with its own certificate, trusting the server's key."""
     public, secret = load_secret_certificate(secret_file)
     sock.curve_secretkey = secret

@@ -380,7 +380,7 @@ def describe_validation_error(exc: ValidationError) -> str:
 def _describe(error: Any) -> str:
     loc = [str(part) for part in error["loc"]]
     key = ".".join(loc)
-    message = error["msg"].removeprefix("Value error, ")
+    message: str = error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         message = "unknown section" if len(loc) == 1 else "unknown key"
     elif error["type"] == "model_type" and len(loc) == 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sized
 from hashlib import sha256
-from typing import Literal
+from typing import Literal, cast
 
 import msgpack
 import numpy as np
@@ -88,13 +88,15 @@ def _words(digests: list[bytes]) -> int:
 def _u64(digests: list[bytes]) -> list[BlockHash]:
     # The digest's last 8 bytes read big-endian (sha256: its low 64 bits).
     words = _words(digests)
-    return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()
+    return cast(
+        list[BlockHash], np.frombuffer(b"".join(digests), dtype=">u8")[words - 1 :: words].tolist()
+    )
 
 
 def _i64(digests: list[bytes]) -> list[BlockHash]:
     # First 8 bytes, signed.
     words = _words(digests)
-    return np.frombuffer(b"".join(digests), dtype=">i8")[::words].tolist()
+    return cast(list[BlockHash], np.frombuffer(b"".join(digests), dtype=">i8")[::words].tolist())
 
 
 def _raw(digests: list[bytes]) -> list[BlockHash]:

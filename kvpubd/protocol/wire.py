@@ -201,7 +201,7 @@ def event_from_wire(obj: Any) -> Event:
     """Decode one plain event in either wire form; raises ValueError on anything else."""
     try:
         if isinstance(obj, dict):
-            return msgspec.convert(obj, Event)  # type: ignore[arg-type]
+            return cast(Event, msgspec.convert(obj, Event))
         if isinstance(obj, (list, tuple)):
             return _from_twin(msgspec.convert(obj, _ArrayEvent))
     except msgspec.ValidationError as exc:
@@ -243,7 +243,7 @@ class BatchEncoder:
             tokens
             for e in events
             if type(e) is BlockStored
-            and type(tokens := e.token_ids) is np.ndarray  # type: ignore[comparison-overlap]
+            and type(tokens := e.token_ids) is np.ndarray
             and tokens.dtype.kind == "u"
             and tokens.itemsize <= 4
         ]

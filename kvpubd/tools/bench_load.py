@@ -68,12 +68,12 @@ class LoadSpec:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def send_request(sock: zmq.Socket, request: dict[str, Any]) -> None:
+def send_request(sock: zmq.Socket[bytes], request: dict[str, Any]) -> None:
     sock.send_multipart([b"", msgpack.packb(request, use_bin_type=True)])
 
 
 def _await_replies(
-    sock: zmq.Socket,
+    sock: zmq.Socket[bytes],
     request_ids: list[int],
     control: LoadControl,
     timeout: float,

@@ -52,7 +52,7 @@ class ResetProbe:
             left = deadline - time.monotonic()
             if left <= 0 or not self.control.poll(int(left * 1000)):
                 raise TimeoutError(f"the daemon did not answer within {timeout:g} s")
-            reply = msgpack.unpackb(self.control.recv_multipart()[-1], raw=False)
+            reply: dict[str, Any] = msgpack.unpackb(self.control.recv_multipart()[-1], raw=False)
             if request_id is None or reply.get("id") == request_id:
                 break
         if not reply.get("ok"):

@@ -27,7 +27,7 @@ def measure_resets(
     progress: Progress,
     device: str = "cpu",
     idle_ms: float = 20.0,
-) -> dict:
+) -> dict[str, Any]:
     results: dict[str, Any] = {}
     biggest = max([*sizes, 1024])
     overrides: dict[str, dict[str, Any]] = {

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import zmq
 
@@ -50,7 +50,9 @@ def dies_with_this_process(also: Callable[[], None] | None = None) -> Callable[[
     return preexec
 
 
-def live_subscriber(endpoint: str, poll_ms: int = 20) -> tuple[zmq.Context, zmq.Socket]:
+def live_subscriber(
+    endpoint: str, poll_ms: int = 20
+) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]]:
     """A context and a SUB socket that keeps everything (RCVHWM 0) from ``endpoint``, returned
     once the first message is waiting (the caller publishes until then)."""
     ctx = zmq.Context()
@@ -121,6 +123,9 @@ def write_config(path: Path, sections: dict[str, dict[str, Any]]) -> None:
         lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
         lines.append("")
     path.write_text("\n".join(lines))
+
+
+DaemonT = TypeVar("DaemonT", bound="DaemonProcess")
 
 
 class DaemonProcess:
@@ -200,8 +205,8 @@ class DaemonProcess:
         write_config(self.config_path, self.settings)
 
     def start(
-        self, timeout: float = 20.0, preexec_fn: Callable[[], None] | None = None
-    ) -> DaemonProcess:
+        self: DaemonT, timeout: float = 20.0, preexec_fn: Callable[[], None] | None = None
+    ) -> DaemonT:
         """Start the child and wait until it answers ping; ``preexec_fn`` runs in the child
         before it executes (e.g. to set resource limits). On a first start over tcp, a port
         that another process took since it was picked gets fresh ports and another try (a
@@ -216,7 +221,9 @@ class DaemonProcess:
                 self._pick_endpoints()
         raise AssertionError("unreachable")
 
-    def _start_once(self, timeout: float, preexec_fn: Callable[[], None] | None) -> DaemonProcess:
+    def _start_once(
+        self: DaemonT, timeout: float, preexec_fn: Callable[[], None] | None
+    ) -> DaemonT:
         if self._log is not None:
             self._log.close()
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the daemon

@@ -33,7 +33,7 @@ __all__ = [
 
 # A bound socket whose connections the service caps (see conn_cap): (socket, endpoint as
 # bound, what it is: "events", "replay").
-Listener = tuple["Socket", str, str]
+Listener = tuple["Socket[bytes]", str, str]
 
 
 class Transport(Protocol):
@@ -81,7 +81,9 @@ class TransportSetup:
     rank: int
     settings: Settings
     history: History  # what the transport sends, and replays from
-    context: Context  # the daemon's ZeroMQ context (its I/O threads), for transports on ZeroMQ
+    context: Context[
+        Socket[bytes]
+    ]  # the daemon's ZeroMQ context (its I/O threads), for transports on ZeroMQ
 
 
 TransportFactory = Callable[[TransportSetup], Transport]

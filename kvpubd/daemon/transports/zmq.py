@@ -63,7 +63,7 @@ class _Replay:
 class ZmqTransport:
     def __init__(
         self,
-        context: zmq.Context,
+        context: zmq.Context[zmq.Socket[bytes]],
         history: History,
         *,
         endpoint: str,
@@ -92,7 +92,7 @@ class ZmqTransport:
         self.pub.bind(endpoint)
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
-        self.replay: zmq.Socket | None = None
+        self.replay: zmq.Socket[bytes] | None = None
         self.replay_endpoint = ""
         if replay_endpoint:
             self.replay = listener(context.socket(zmq.ROUTER), REPLAY_AFFINITY, context)
@@ -230,7 +230,7 @@ class ZmqTransport:
             self._replays.append(replay)
             self._schedule_pump()
 
-    def _stream(self, sock: zmq.Socket, replay: _Replay, limit: int) -> bool:
+    def _stream(self, sock: zmq.Socket[bytes], replay: _Replay, limit: int) -> bool:
         """Send up to ``limit`` batches of ``replay`` (its snapshot batch first, if it waited
         for one); the end marker once it is past the last. Returns True when it leaves the
         queue: finished, or parked until a newer snapshot batch is ready."""
