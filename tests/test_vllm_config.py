@@ -178,6 +178,7 @@ def test_serve_refuses_with_one_line_and_exit_2(fresh: Daemon, config: str, says
     assert line.startswith("kvpubd: config error: kv-events-config: ") and says in line
 
 
+@pytest.mark.process
 def test_serve_with_vllm_s_null_publisher_publishes_nowhere_and_still_counts(
     fresh: Daemon,
 ) -> None:

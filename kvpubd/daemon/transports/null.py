@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpubd.daemon.transports import Listener, TransportSetup
+    from kvpubd.daemon.transports.base import Listener, TransportSetup
 
 
 class NullTransport:

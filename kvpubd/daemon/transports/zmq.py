@@ -33,7 +33,7 @@ from kvpubd.protocol.config import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, pack_seq
 
 if TYPE_CHECKING:
-    from kvpubd.daemon.transports import Listener, TransportSetup
+    from kvpubd.daemon.transports.base import Listener, TransportSetup
 
 log = logging.getLogger(__name__)
 
