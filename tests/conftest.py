@@ -46,9 +46,9 @@ def _starter(kind: Callable[[dict[str, dict[str, Any]]], Daemon]) -> Iterator[Da
 def start_daemon(request: pytest.FixtureRequest) -> Iterator[DaemonFactory]:
     """``start_daemon(events={...}, cache={...})`` starts a daemon: its service on a thread
     of this process (real sockets, no start-up of a process: tests/service_thread.py), or, for
-    a test marked ``process``, a real ``kvpubd serve`` subprocess (for what only a process
-    shows: exit statuses, signals, its log, kill -9, resource limits)."""
-    process = request.node.get_closest_marker("process") is not None
+    a test marked ``daemon_process``, a real ``kvpubd serve`` subprocess (for what only a
+    process shows: exit statuses, signals, its log, kill -9, resource limits)."""
+    process = request.node.get_closest_marker("daemon_process") is not None
     yield from _starter(Daemon if process else ServiceThread)
 
 
@@ -95,5 +95,7 @@ NOT_UNIT = ("process", "slow", "bench", "long")
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
+        if item.get_closest_marker("daemon_process") is not None:
+            item.add_marker(pytest.mark.process)
         if not any(item.get_closest_marker(name) for name in NOT_UNIT):
             item.add_marker(pytest.mark.unit)

@@ -15,7 +15,7 @@ from kvpubd.tools.vllm_source import kv_events_path
 
 # Each test runs a benchmark command end to end (seconds each, minutes together), with
 # daemons of its own: processes.
-pytestmark = [pytest.mark.bench, pytest.mark.process]
+pytestmark = [pytest.mark.bench, pytest.mark.daemon_process]
 
 
 def bench(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -177,7 +177,7 @@ def test_history_gone_is_rebuilt_by_the_replay_snapshot_batch(
     assert (counters.lost, counters.restarts, counters.violations) == (0, 0, 0)
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 def test_lost_history_replays_finish_under_steady_load(start_daemon: DaemonFactory) -> None:
     """Replays of lost history while stores go on, with a ring of 2 batches: each snapshot
     batch takes many ticks to put together, and the ring keeps what follows it meanwhile, so
@@ -216,7 +216,7 @@ def concurrent_batches(endpoint: str, clients: int) -> list[list[tuple[int, byte
         return list(pool.map(lambda _: replay(endpoint, 0, timeout=30), range(clients)))
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 @pytest.mark.parametrize("form", FORMS)
 def test_kill9_and_restart_under_load(start_daemon: DaemonFactory, form: str) -> None:
     """kill -9 while a load runs on rank 0, then a new daemon on the same endpoints: the
@@ -270,7 +270,7 @@ def test_kill9_and_restart_under_load(start_daemon: DaemonFactory, form: str) ->
     )
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 @pytest.mark.parametrize("origin", ["clock", "zero"])
 def test_kill9_and_restart_detected_without_control(
     start_daemon: DaemonFactory, origin: str
@@ -314,7 +314,7 @@ def test_kill9_and_restart_detected_without_control(
         assert (counters.restarts, counters.resyncs) == (0, 1)
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 def test_sigterm_under_load_delivers_everything_captured(start_daemon: DaemonFactory) -> None:
     """SIGTERM while a load runs: the daemon exits 0 and every store it acknowledged (so
     captured before it stopped taking requests) reaches the subscriber, on gap-free seqs."""

@@ -29,7 +29,7 @@ from tests.mirrors import assert_mirror_is_snapshot, go_live, subscriber
 from tests.streams import chain_hashes, packed_prompt, prompt
 
 # The daemon is stopped (SIGSTOP) while requests pile up: a process.
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.daemon_process
 
 BLOCK_SIZE = 16
 LARGE = 4 * SYNC_BLOCKS  # full blocks of a store that takes several loop turns

@@ -23,7 +23,7 @@ from tests.llmd import LlmdIndex, LlmdSubscriber, Timings, _hash
 from tests.mirrors import snapshot_blocks, store_released, unique_prompt
 
 # Restarts by kill -9 and SIGTERM: processes.
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.daemon_process
 
 MODEL = "m"
 # llm-d's timings, shrunk: 5 s redial, 30 s cooldown, 2 s replay idle timeout.

@@ -16,7 +16,7 @@ from tests.daemon import Daemon, wait_for, write_config
 from tests.streams import prompt
 
 # The daemon's own log lines and journal priorities: a process.
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.daemon_process
 
 StartDaemon = Callable[..., Daemon]
 

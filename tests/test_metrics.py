@@ -292,7 +292,7 @@ def test_metrics_port_inside_the_event_ports_is_a_config_error(tmp_path: Path) -
     )
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 def test_metrics_are_off_by_default(daemon: Daemon) -> None:
     assert Settings().metrics.port == 0
     wait_for(lambda: "ready:" in daemon.log(), what="the ready line")

@@ -111,7 +111,7 @@ def shm_path(name: str | None) -> Path:
     return Path("/dev/shm") / name.lstrip("/")
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_segment_is_owner_only_and_removed_on_stop(start_daemon: DaemonFactory, sig: int) -> None:
     daemon = start_daemon()
@@ -124,7 +124,7 @@ def test_segment_is_owner_only_and_removed_on_stop(start_daemon: DaemonFactory, 
     assert not path.exists()
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 def test_segment_is_removed_after_kill(start_daemon: DaemonFactory) -> None:
     """Even SIGKILL leaves no segment: the resource tracker unlinks what the daemon held."""
     daemon = start_daemon()
@@ -168,7 +168,7 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 def test_restart_replaces_a_segment_left_by_a_killed_process_group(
     start_daemon: DaemonFactory,
 ) -> None:

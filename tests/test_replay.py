@@ -124,7 +124,7 @@ def resident_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 def test_replays_nobody_reads_share_the_rings_memory(start_daemon: DaemonFactory) -> None:
     """Clients that ask for the whole ring and never read: the batches queued for them are the
     ring's own bytes, not a copy each (each such client held a ring's worth of daemon memory,

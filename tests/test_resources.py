@@ -302,7 +302,7 @@ def test_daemon_in_a_small_dev_shm_exits_2(tmp_path: Path) -> None:
     assert "does not fit in /dev/shm" in error and "64.0 MiB free of 64.0 MiB" in error
 
 
-@pytest.mark.process
+@pytest.mark.daemon_process
 def test_a_dead_runs_segment_does_not_count_against_the_new_pool(tmp_path: Path) -> None:
     """A run killed with its resource tracker leaves its pool segment in a 64 MiB /dev/shm;
     the next start on the same config replaces it. The space check once ran before the

@@ -29,7 +29,7 @@ from tests.mirrors import Record, pump, snapshot_blocks, store_released, unique_
 from tests.streams import seq_of
 
 # Restarts by kill -9 and SIGTERM: processes.
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.daemon_process
 
 HEARTBEAT_MS = 200
 

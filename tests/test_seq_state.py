@@ -23,7 +23,7 @@ from tests.daemon import Daemon, write_config
 from tests.mirrors import store_released, unique_prompt
 
 # Runs that end by a signal or kill -9, and the state file they leave: processes.
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.daemon_process
 
 
 def state_file(daemon: Daemon, rank: int = 0) -> Path:

@@ -17,7 +17,7 @@ from tests.daemon import Daemon
 from tests.streams import chain_hashes
 
 # Exit statuses on signals: a process.
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.daemon_process
 
 BLOCK_SIZE = 16
 

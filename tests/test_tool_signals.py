@@ -21,7 +21,7 @@ from tests.daemon import Daemon, wait_for
 from tests.test_cli import ENV
 
 # Tools and their daemons, signalled: processes.
-pytestmark = pytest.mark.process
+pytestmark = pytest.mark.daemon_process
 
 
 @dataclass
