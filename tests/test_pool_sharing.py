@@ -23,7 +23,12 @@ from tests.streams import prompt
 DEVICES = [
     "cpu",
     pytest.param(
-        "cuda:0", marks=pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+        "cuda:0",
+        marks=[
+            pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU"),
+            # CUDA opens no IPC handle in the process that made it: the daemon is another one.
+            pytest.mark.daemon_process,
+        ],
     ),
 ]
 # block_bytes = 2 * 1 * 1 * 12 * 16 * 2 = 768: not a power of two, a multiple of 16.
