@@ -23,9 +23,9 @@ from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.settings import Settings
 from kvpubd.daemon.snapshot import Buffer, assemble
 from kvpubd.daemon.snapshot import Snapshot as SnapshotData
-from kvpubd.protocol.config import Settings
 from kvpubd.protocol.control import (
     REQUEST_TYPES,
     Checksum,

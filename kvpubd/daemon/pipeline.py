@@ -22,12 +22,13 @@ from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.seq_state import SeqState, open_seq_state
+from kvpubd.daemon.settings import Settings
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
-from kvpubd.protocol.config import Settings, rank_endpoint
 from kvpubd.protocol.control import PoolInfo, RankStats, ReleaseReply, Store, StoreReply
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import BlockStored
 

@@ -22,6 +22,7 @@ import zmq
 from kvpubd.daemon import logs, resources
 from kvpubd.daemon.conn_cap import ConnectionCap
 from kvpubd.daemon.control_server import ControlServer, StartupError
+from kvpubd.daemon.curve import CurveServer
 from kvpubd.daemon.endpoint_lock import (
     EndpointInUse,
     EndpointLock,
@@ -47,9 +48,10 @@ from kvpubd.daemon.pool import (
 )
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.seq_state import SeqStateInUse
+from kvpubd.daemon.settings import ConfigError, Settings
 from kvpubd.daemon.zmq_loop import new_context
-from kvpubd.protocol.auth import AuthError, CurveServer
-from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir, rank_endpoint
+from kvpubd.protocol.auth import AuthError
+from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
 
 log = logging.getLogger("kvpubd")
 
