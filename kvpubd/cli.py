@@ -189,7 +189,7 @@ def serve(
 
     from kvpubd.daemon import logs, serve_config
     from kvpubd.daemon.service import StartupError, TaskFailed, run
-    from kvpubd.protocol.config import ConfigError
+    from kvpubd.daemon.settings import ConfigError
 
     try:
         resolved = serve_config.resolve(

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.service import Service
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 
 BLOCKS = 62_500
 TINY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}

@@ -23,7 +23,7 @@ from kvpubd.daemon.cache import RankCache
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
 from kvpubd.daemon.service import Service
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockStored, decode_batch, unpack_seq
 from tests.mirrors import snapshot_blocks
 

@@ -13,7 +13,7 @@ import msgpack
 
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.service import Service
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 
 
 @asynccontextmanager

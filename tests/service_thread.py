@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from kvpubd.daemon.service import Service
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 from tests.daemon import Daemon
 
 START_TIMEOUT_S = 20.0

@@ -13,13 +13,8 @@ from typing import Any
 import pytest
 import zmq
 
-from kvpubd.protocol.config import (
-    ConfigError,
-    Settings,
-    load_settings,
-    log_level_option,
-    rank_endpoint,
-)
+from kvpubd.daemon.settings import ConfigError, Settings, load_settings, log_level_option
+from kvpubd.protocol.endpoints import rank_endpoint
 from tests.daemon import Daemon, write_config
 
 if sys.version_info >= (3, 11):

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 # A row of the settings table: | `section.key` | default | meaning |

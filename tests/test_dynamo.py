@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.tools.launcher import free_tcp_port_runs, free_tcp_ports
 from tests.daemon import Daemon, wait_for
 from tests.llmd import LlmdIndex, LlmdSubscriber, Timings, _hash

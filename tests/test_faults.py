@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvpubd.client import ControlClient, ControlError, replay
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockStored, decode_batch
 from tests.conftest import DaemonFactory
 from tests.daemon import wait_for

@@ -19,9 +19,9 @@ import zmq
 
 from kvpubd.client import ControlError
 from kvpubd.daemon.cache import CacheError, RankCache
+from kvpubd.daemon.settings import CacheConfig
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
-from kvpubd.protocol.config import CacheConfig
 from kvpubd.protocol.control import Store, packed_uint32
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon

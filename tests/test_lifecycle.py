@@ -18,7 +18,7 @@ import zmq
 
 from kvpubd.client import ControlClient
 from kvpubd.daemon.service import Service, TaskFailed
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch, unpack_seq
 from kvpubd.tools.launcher import DaemonProcess
 from tests.daemon import wait_for, write_config

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvpubd.daemon.seq_state import state_path
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for
 from tests.llmd import LlmdIndex, LlmdSubscriber, Timings, _hash

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from kvpubd.client import ControlError, Marker, Mirror, ResetReply, SnapshotReply, replay
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, AllBlocksCleared
 from kvpubd.tools.bench_load import Load, LoadSpec
 from tests.conftest import DaemonFactory

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpubd.client import ControlError
 from kvpubd.daemon.service import Service
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 from kvpubd.tools.launcher import free_tcp_ports, write_config
 from kvpubd.tools.loadgen import DEFAULT_MIX, LoadGenerator, Workload, parse_mix
 from tests.daemon import Daemon, wait_for

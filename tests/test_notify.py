@@ -18,7 +18,7 @@ import pytest
 
 from kvpubd.client import replay
 from kvpubd.daemon.notify import Notifier, watchdog_interval
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
 from tests.daemon import Daemon
 

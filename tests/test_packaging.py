@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvpubd.daemon.pool import pool_segment_name
-from kvpubd.protocol.config import Settings, load_settings, tcp_port
+from kvpubd.daemon.settings import Settings, load_settings
+from kvpubd.protocol.endpoints import tcp_port
 from tests.daemon import Daemon
 
 REPO = Path(__file__).resolve().parent.parent

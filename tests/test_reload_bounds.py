@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvpubd.protocol.auth import KEY_FILES_PER_TURN, AuthError, CurveServer, create_keys
-from kvpubd.protocol.config import MAX_CONFIG_BYTES, ConfigError, load_settings
+from kvpubd.daemon.curve import KEY_FILES_PER_TURN, CurveServer
+from kvpubd.daemon.settings import MAX_CONFIG_BYTES, ConfigError, load_settings
+from kvpubd.protocol.auth import AuthError, create_keys
 from tests.test_cli import kvpubd
 from tests.test_cli_errors import assert_one_line
 

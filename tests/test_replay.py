@@ -15,7 +15,7 @@ import zmq
 from kvpubd.client import replay
 from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.transports.zmq import REPLAY_CHUNK, ZmqTransport
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, pack_seq
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon

@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from kvpubd.client import ControlClient, ControlError, Marker, Mirror, Received, StoreReply
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import (
     END_SEQ,
     AllBlocksCleared,

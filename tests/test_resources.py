@@ -25,7 +25,7 @@ from kvpubd.daemon.pool import (
     pool_segment_name,
     reserve_pages,
 )
-from kvpubd.protocol.config import CacheConfig
+from kvpubd.daemon.settings import CacheConfig
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
 from kvpubd.tools.launcher import free_tcp_ports
 from tests.daemon import Daemon, wait_for, write_config

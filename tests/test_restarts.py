@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from kvpubd.client import Subscriber
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import unpack_seq
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon, wait_for

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpubd.daemon.seq_state import FILE_SIZE, MAGIC, state_path
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import MAX_SEQ
 from kvpubd.tools.launcher import free_tcp_ports
 from tests.conftest import DaemonFactory

@@ -13,7 +13,7 @@ import pytest
 
 from kvpubd.client import ControlError, Subscriber
 from kvpubd.client.replies import Marker
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import AllBlocksCleared, BlockStored
 from tests.daemon import Daemon, wait_for
 from tests.streams import chain_hashes, prompt

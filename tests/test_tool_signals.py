@@ -16,7 +16,7 @@ import pytest
 
 from kvpubd.client import ControlClient, ControlTimeout
 from kvpubd.daemon.pool import SHM_DIR, pool_segment_name
-from kvpubd.protocol.config import load_settings
+from kvpubd.daemon.settings import load_settings
 from tests.daemon import Daemon, wait_for
 from tests.test_cli import ENV
 

@@ -14,13 +14,13 @@ import pytest
 import zmq
 
 from kvpubd.daemon.service import Service
+from kvpubd.daemon.settings import ConfigError
 from kvpubd.daemon.transports import (
     TRANSPORTS,
     Listener,
     TransportSetup,
     check_transport,
 )
-from kvpubd.protocol.config import ConfigError
 from kvpubd.protocol.wire import decode_batch, unpack_seq
 from tests.loop_turns import settled, started_service
 from tests.test_layout import loaded_by

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvpubd.client import ControlClient, ControlTimeout
-from kvpubd.protocol.config import ConfigError
-from kvpubd.protocol.vllm_config import load_kv_events_config, map_kv_events_config
+from kvpubd.daemon.settings import ConfigError
+from kvpubd.daemon.vllm_config import load_kv_events_config, map_kv_events_config
 from tests.daemon import Daemon, wait_for
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -11,8 +11,8 @@ import numpy as np
 from kvpubd.daemon.encoded import EncodedArray
 from kvpubd.daemon.pool import create_pool
 from kvpubd.daemon.radix import ROOT, RadixIndex
+from kvpubd.daemon.settings import CacheConfig
 from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
-from kvpubd.protocol.config import CacheConfig
 from kvpubd.protocol.control import Store
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
 from kvpubd.protocol.wire import BlockStored

@@ -20,13 +20,13 @@ from typing import Any, cast
 
 import zmq
 
+from kvpubd.daemon.curve import CurveServer
 from kvpubd.daemon.endpoint_lock import bind_ipc_safely, ipc_path
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, owner_of_message
 from kvpubd.daemon.pending import Pending
+from kvpubd.daemon.settings import ControlConfig
 from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, listener, readable, reader_fd
-from kvpubd.protocol.auth import CurveServer
-from kvpubd.protocol.config import ControlConfig
 from kvpubd.protocol.control import Request, Snapshot, error_reply, op_of
 from kvpubd.protocol.control_frames import ProtocolError, parse_request, peek_id
 

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvpubd import __version__
+from kvpubd.daemon.drain import Drain
 from kvpubd.protocol.control import RankStats
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
@@ -62,18 +63,19 @@ class RankLike(Protocol):
 
 
 class Metrics:
-    """The daemon's metrics. ``ranks`` returns the served ranks; ``paused`` the drain state."""
+    """The daemon's metrics. ``ranks`` returns the served ranks; ``drain`` tells whether the
+    periodic drain is paused (never, without one)."""
 
     def __init__(
         self,
         ranks: Callable[[], Sequence[RankLike]],
-        paused: Callable[[], bool] = lambda: False,
+        drain: Drain | None = None,
         health: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``health`` returns None while the daemon is healthy, else why it is not."""
         self.registry = CollectorRegistry()
         self._ranks = ranks
-        self._paused = paused
+        self._drain = drain
         self._health = health
         self.max_connections = HTTP_MAX_CONNECTIONS
         self.connections = 0
@@ -218,7 +220,9 @@ class _StateCollector(Collector):
             sum_value=metrics.reset_sum,
         )
         yield GaugeMetricFamily(
-            "kvpubd_paused", "1 while the periodic drain is paused.", value=int(metrics._paused())
+            "kvpubd_paused",
+            "1 while the periodic drain is paused.",
+            value=int(metrics._drain is not None and metrics._drain.paused),
         )
 
         events = CounterMetricFamily(

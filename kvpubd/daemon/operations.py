@@ -19,13 +19,14 @@ from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.checksums import checksum_reply
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.decoding import decode_in_slices, decode_tokens
+from kvpubd.daemon.drain import Drain
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.settings import Settings
 from kvpubd.daemon.snapshot import Buffer, assemble
 from kvpubd.daemon.snapshot import Snapshot as SnapshotData
-from kvpubd.protocol.config import Settings
 from kvpubd.protocol.control import (
     REQUEST_TYPES,
     Checksum,
@@ -97,11 +98,12 @@ class Operations:
         settings: Settings,
         metrics: MetricsHooks,
         epoch: int,
+        drain: Drain,
     ) -> None:
         self.pipelines = pipelines
         self.settings = settings
         self.epoch = epoch
-        self.paused = False
+        self.drain = drain
         self._metrics = metrics
         control = settings.control
         self.owners = RequestOwners(
@@ -182,13 +184,15 @@ class Operations:
 
     @handles(Stats)
     def stats(self, request: Stats, owner: Owner | None) -> StatsReply:
-        return StatsReply(self.epoch, self.paused, [p.stats() for p in self.pipelines])
+        return StatsReply(self.epoch, self.drain.paused, [p.stats() for p in self.pipelines])
 
     @handles(Pause, Resume)
     def pause(self, request: Pause | Resume, owner: Owner | None) -> PauseReply:
-        self.paused = isinstance(request, Pause)
-        log.info("periodic drain %s", "paused" if self.paused else "resumed")
-        return PauseReply(self.paused)
+        if isinstance(request, Pause):
+            self.drain.pause()
+        else:
+            self.drain.resume()
+        return PauseReply(self.drain.paused)
 
     @handles(Store)
     def store(self, request: Store, owner: Owner | None) -> StoreReply | Pending[StoreReply]:

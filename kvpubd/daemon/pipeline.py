@@ -7,12 +7,12 @@ Every operation validates first and mutates after, so a refused request changes 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import numpy as np
 import zmq
 
 from kvpubd.daemon.cache import CacheError, RankCache, StoreResult
+from kvpubd.daemon.drain import Drain
 from kvpubd.daemon.encoded import reply_ids
 from kvpubd.daemon.history import RESTART_OVERLAP, History, seq_origin
 from kvpubd.daemon.hooks import MetricsHooks
@@ -22,12 +22,13 @@ from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.seq_state import SeqState, open_seq_state
+from kvpubd.daemon.settings import Settings
 from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
-from kvpubd.protocol.config import Settings, rank_endpoint
 from kvpubd.protocol.control import PoolInfo, RankStats, ReleaseReply, Store, StoreReply
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import BlockStored
 
@@ -46,11 +47,11 @@ class RankPipeline:
         context: zmq.Context[zmq.Socket[bytes]],
         metrics: MetricsHooks,
         reaper: Reaper,
-        drain_paused: Callable[[], bool] = lambda: False,
+        drain: Drain,
     ) -> None:
         events = settings.events
         self.rank = rank
-        self._drain_paused = drain_paused
+        self._drain = drain
         self._metrics = metrics
         self._reaper = reaper
         self._flush_on_reset = events.flush_on_reset
@@ -168,7 +169,7 @@ class RankPipeline:
     def _flush_if_full(self) -> None:
         # Right after a capture (also a slice of one done in slices): while the drain is
         # paused, nothing goes out before a reset or a resume.
-        if self.sink.pending_blocks >= FLUSH_BLOCKS and not self._drain_paused():
+        if self.sink.pending_blocks >= FLUSH_BLOCKS and not self._drain.paused:
             self.flush()
 
     def _store_reply(self, result: StoreResult) -> StoreReply:

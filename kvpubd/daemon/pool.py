@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpubd.daemon import kernels
-from kvpubd.protocol.config import ConfigError
+from kvpubd.daemon.settings import ConfigError
 from kvpubd.protocol.control import PoolInfo
 
 log = logging.getLogger(__name__)

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpubd import __version__
+from kvpubd.daemon.curve import check_curve_settings
 from kvpubd.daemon.pool import check_device
-from kvpubd.daemon.transports import check_transport
-from kvpubd.protocol.auth import check_curve_settings
-from kvpubd.protocol.config import (
+from kvpubd.daemon.settings import (
     ConfigError,
     Settings,
     env_overrides,
@@ -21,7 +20,8 @@ from kvpubd.protocol.config import (
     log_level_option,
     unknown_env,
 )
-from kvpubd.protocol.vllm_config import KvEventsMapping, load_kv_events_config
+from kvpubd.daemon.transports import check_transport
+from kvpubd.daemon.vllm_config import KvEventsMapping, load_kv_events_config
 
 
 @dataclass(frozen=True)

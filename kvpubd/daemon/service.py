@@ -22,6 +22,8 @@ import zmq
 from kvpubd.daemon import logs, resources
 from kvpubd.daemon.conn_cap import ConnectionCap
 from kvpubd.daemon.control_server import ControlServer, StartupError
+from kvpubd.daemon.curve import CurveServer
+from kvpubd.daemon.drain import Drain
 from kvpubd.daemon.endpoint_lock import (
     EndpointInUse,
     EndpointLock,
@@ -47,9 +49,10 @@ from kvpubd.daemon.pool import (
 )
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.seq_state import SeqStateInUse
+from kvpubd.daemon.settings import ConfigError, Settings
 from kvpubd.daemon.zmq_loop import new_context
-from kvpubd.protocol.auth import AuthError, CurveServer
-from kvpubd.protocol.config import ConfigError, Settings, default_runtime_dir, rank_endpoint
+from kvpubd.protocol.auth import AuthError
+from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
 
 log = logging.getLogger("kvpubd")
 
@@ -83,10 +86,11 @@ class Service:
         self._caps: list[ConnectionCap] = []
         self.epoch = secrets.randbits(62)
         self.pipelines: list[RankPipeline] = []
+        self.drain = Drain(self.pipelines, settings.events.tick_interval_ms / 1000)
         self.metrics: MetricsHooks = (
             _create_metrics(self) if settings.metrics.port else NullMetrics()
         )
-        self.operations = Operations(self.pipelines, settings, self.metrics, self.epoch)
+        self.operations = Operations(self.pipelines, settings, self.metrics, self.epoch, self.drain)
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self.control: ControlServer | None = None
         self._exit = asyncio.Event()
@@ -97,10 +101,6 @@ class Service:
         self._reaper = Reaper()
         self._notifier = Notifier.from_environment()
         self._key_reload: asyncio.Task[None] | None = None
-
-    @property
-    def paused(self) -> bool:
-        return self.operations.paused
 
     @property
     def control_endpoint(self) -> str:
@@ -208,7 +208,7 @@ class Service:
                     self._context,
                     self.metrics,
                     self._reaper,
-                    drain_paused=lambda: self.operations.paused,
+                    self.drain,
                 )
             except SeqStateInUse as exc:
                 raise StartupError(str(exc)) from None
@@ -226,7 +226,7 @@ class Service:
         self.control.start()
         await self._start_metrics()
         self._cap_connections()
-        self._spawn(self._drain_loop(), DRAIN_TASK)
+        self._spawn(self.drain.run(), DRAIN_TASK)
         self._spawn(self._reaper.run(), "reaper")
         log.info(
             "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
@@ -411,18 +411,6 @@ class Service:
             self._notifier.watchdog()
             await asyncio.sleep(interval)
 
-    async def _drain_loop(self) -> None:
-        interval = self.settings.events.tick_interval_ms / 1000
-        while True:
-            await asyncio.sleep(interval)
-            paused = self.operations.paused
-            for pipeline in self.pipelines:
-                if not paused:
-                    pipeline.flush(new_tick=True)
-                # Also while paused: the daemon is alive, and a consumer learns the last seq.
-                pipeline.publisher.heartbeat()
-                pipeline.compact()
-
 
 def _attempt(what: str, step: Callable[[], Any]) -> Any:
     """Run one shutdown step; a failure is logged and the next step still runs."""
@@ -436,7 +424,7 @@ def _attempt(what: str, step: Callable[[], Any]) -> Any:
 def _create_metrics(service: Service) -> MetricsHooks:
     from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
 
-    return Metrics(lambda: service.pipelines, lambda: service.paused, service.health)
+    return Metrics(lambda: service.pipelines, service.drain, service.health)
 
 
 def run(

@@ -74,8 +74,10 @@ def _cache_sizes(text: str) -> list[int]:
 
 def _check_device(device: str) -> None:
     """``--device``: cpu, or cuda:N with CuPy and that GPU here (one line otherwise)."""
+    from pydantic import ValidationError
+
     from kvpubd.daemon.pool import check_device
-    from kvpubd.protocol.config import CacheConfig, ValidationError
+    from kvpubd.daemon.settings import CacheConfig
 
     try:
         CacheConfig(device=device)

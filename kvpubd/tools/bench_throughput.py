@@ -78,7 +78,7 @@ def measure_throughput(
     import multiprocessing
     from contextlib import ExitStack
 
-    from kvpubd.protocol.config import rank_endpoint
+    from kvpubd.protocol.endpoints import rank_endpoint
 
     prompts = make_prompts(requests)
     layouts = (

@@ -86,7 +86,7 @@ def measure_under(
 ) -> dict[str, Any]:
     """Reset -> marker at each size on an idle daemon, then on the same daemon while
     ``load_name`` runs in other processes against its rank 1 (or its ports)."""
-    from kvpubd.protocol.config import ControlConfig
+    from kvpubd.daemon.settings import ControlConfig
     from kvpubd.tools.bench_load import Load, LoadSpec
 
     # The largest store the daemon allows by default (block_size 16).

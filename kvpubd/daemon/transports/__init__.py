@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvpubd.daemon.settings import ConfigError
 from kvpubd.daemon.transports.base import Listener, Transport, TransportSetup
 from kvpubd.daemon.transports.null import NullTransport
 from kvpubd.daemon.transports.zmq import ZmqTransport
-from kvpubd.protocol.config import ConfigError
 
 __all__ = [
     "TRANSPORTS",

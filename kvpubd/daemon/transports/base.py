@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from kvpubd.protocol.config import Settings
+from kvpubd.daemon.settings import Settings
 
 if TYPE_CHECKING:
     from zmq import Context, Socket

@@ -29,7 +29,7 @@ from kvpubd.daemon.zmq_loop import (
     readable,
     reader_fd,
 )
-from kvpubd.protocol.config import rank_endpoint
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, pack_seq
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpubd.protocol.config import ConfigError, EventsConfig, describe_validation_error
+from kvpubd.daemon.settings import ConfigError, EventsConfig, describe_validation_error
 
 # KVEventsConfig's fields that map onto [events] keys of the same meaning and name.
 MAPPED = ("publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm", "topic")

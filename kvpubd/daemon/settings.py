@@ -1,4 +1,4 @@
-"""Daemon configuration: pydantic models, loaded from TOML then overridden by KVPUBD_* env."""
+"""The daemon's settings: pydantic models, loaded from TOML then overridden by KVPUBD_* env."""
 
 from __future__ import annotations
 
@@ -24,23 +24,10 @@ from kvpubd.protocol.endpoints import (
     ENV_PREFIX,
     check_endpoint,
     default_control_endpoint,
-    default_runtime_dir,
     rank_endpoint,
     tcp_port,
 )
 from kvpubd.protocol.hashing import HashAlgorithm
-
-__all__ = [
-    "ConfigError",
-    "Settings",
-    "ValidationError",
-    "check_endpoint",
-    "default_control_endpoint",
-    "default_runtime_dir",
-    "load_settings",
-    "rank_endpoint",
-    "tcp_port",
-]
 
 if sys.version_info >= (3, 11):
     import tomllib
