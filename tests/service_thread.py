@@ -49,27 +49,16 @@ class ServiceThread(Daemon):
 
     def _run(self) -> None:
         assert self.service is not None
-        service = self.service
         loop = asyncio.new_event_loop()
         self._loop = loop
-
-        async def lifetime() -> None:
-            try:
-                await service.startup()
-            finally:
-                self._started.set()
-            await service.main_loop()
-
         try:
-            loop.run_until_complete(lifetime())
+            # The daemon's own lifetime, as `kvpubd serve` runs it (less the signal handlers).
+            loop.run_until_complete(self.service.lifetime(started=self._started.set))
         except BaseException as exc:  # reported by start() or stop()
             self._failure = exc
         finally:
             self._started.set()
-            try:
-                loop.run_until_complete(service.shutdown())
-            finally:
-                loop.close()
+            loop.close()
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -116,12 +116,23 @@ class Service:
         # SIGHUP's default action kills the process without a word.
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
-            await self.startup()
+            await self.lifetime()
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+
+    async def lifetime(self, started: Callable[[], None] | None = None) -> None:
+        """Start up, serve until ``request_exit``, shut down; raises TaskFailed if a
+        background task died. ``started`` is called once start-up ended, as it ended."""
+        try:
+            try:
+                await self.startup()
+            finally:
+                if started is not None:
+                    started()
             await self.main_loop()
         finally:
             await self.shutdown()
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(signum)
         if self._failure is not None:
             raise TaskFailed(f"{self._failure_task}: {self._failure!r}") from self._failure
 
