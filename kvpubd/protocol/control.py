@@ -167,8 +167,8 @@ class RankStats(msgspec.Struct, frozen=True):
     events_pending: int
     endpoint: str
     replay_endpoint: str
-    # The run's first seq (its origin: the clock in microseconds by default); 0 from a daemon
-    # that does not report it.
+    # The run's first seq (events.seq_origin: by default the last run's last seq + 1); 0 from
+    # a daemon that does not report it.
     first_seq: int = 0
 
 
