@@ -32,6 +32,10 @@ VLLM = {
     "hwm": 1000,
     "max_queue_size": 50,
     "topic": "kv@pod-1@llama",
+    # The snapshot protocol's fields (vLLM PR #57789).
+    "snapshot_endpoint": "tcp://*:6559",
+    "snapshot_max_blocks": 1_000_000,
+    "snapshot_max_response_bytes": 256 << 20,
 }
 
 
@@ -44,8 +48,10 @@ def test_every_field_maps_or_is_said_to_be_ignored() -> None:
         "buffer_steps": 500,
         "hwm": 1000,
         "topic": "kv@pod-1@llama",
+        "snapshot_endpoint": "tcp://*:6559",
     }
-    assert len(mapping.ignored) == 1 and mapping.ignored[0].startswith("max_queue_size")
+    ignored = [note.split(" ")[0] for note in mapping.ignored]
+    assert ignored == ["max_queue_size", "snapshot_max_blocks", "snapshot_max_response_bytes"]
     line = mapping.describe()
     assert "events.topic = 'kv@pod-1@llama'" in line and "ignored max_queue_size" in line
 
@@ -54,6 +60,7 @@ def test_absent_fields_leave_kvpubd_settings_and_null_replay_turns_it_off() -> N
     assert map_kv_events_config({"topic": "t"}).events == {"topic": "t"}
     assert map_kv_events_config({}).describe().endswith("mapped nothing; ignored nothing")
     assert map_kv_events_config({"replay_endpoint": None}).events == {"replay_endpoint": ""}
+    assert map_kv_events_config({"snapshot_endpoint": None}).events == {"snapshot_endpoint": ""}
 
 
 def test_publisher_names_the_transport_and_null_leaves_kvpubd_s_own() -> None:
