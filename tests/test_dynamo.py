@@ -335,3 +335,23 @@ def test_joins_an_idle_daemon(indexer: Indexer, tcp_daemon: Any) -> None:
     indexer.register(daemon)
     exact(indexer, daemon)
     assert len(indexer.blocks(0)) == 6
+
+
+def test_rejects_the_batches_of_a_daemon_serving_snapshots(
+    indexer: Indexer, tcp_daemon: Any
+) -> None:
+    """What docs/routers.md says of Dynamo and the snapshot protocol: with
+    events.snapshot_endpoint set, every batch carries the publisher id as a 4th element, which
+    Dynamo's indexer (ai-dynamo-runtime 1.6.1) refuses to decode; it holds nothing. Should a
+    release accept them, this fails and the docs change with it."""
+    daemon = tcp_daemon(snapshot_endpoint=True)
+    indexer.register(daemon)
+    with daemon.client() as client:
+        assert len(client.stats().ranks[0].publisher_id) == 16
+        store_released(client, unique_prompt(4))
+    wait_for(
+        lambda: "array had incorrect length, expected 3" in indexer.log(),
+        timeout=FOLLOW_S,
+        what="the indexer refusing a batch of four elements",
+    )
+    assert indexer.blocks(0) == set()
