@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from kvpubd.client import ControlClient, ControlTimeout
-from tests.daemon import wait_for
+from tests.daemon import Daemon, wait_for
+from tests.mirrors import snapshot_blocks, store_released, unique_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 # README first, then the docs pages by name: the order the examples run in.
@@ -29,6 +30,10 @@ EXAMPLES = [
         re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
     )
 ]
+# Examples for a daemon that serves snapshots (tcp://*:5559) run against one of their own.
+SNAPSHOT_ENDPOINT = "tcp://localhost:5559"
+QUICK_START = [(name, code) for name, code in EXAMPLES if SNAPSHOT_ENDPOINT not in code]
+SNAPSHOTS = [(name, code) for name, code in EXAMPLES if SNAPSHOT_ENDPOINT in code]
 # The default ports are machine-wide: runs of this test in other checkouts take turns.
 LOCK = Path("/tmp/kvpubd-readme-examples.lock")
 
@@ -75,16 +80,39 @@ def test_readme_has_the_examples() -> None:
         assert name in text, name
 
 
-@pytest.mark.process
-@pytest.mark.parametrize(("name", "code"), EXAMPLES, ids=[name for name, _ in EXAMPLES])
-def test_readme_example_runs(quick_start_env: dict[str, str], name: str, code: str) -> None:
+def _run_example(name: str, code: str, env: dict[str, str]) -> str:
     result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=quick_start_env,
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
     )
     assert result.returncode == 0, f"example {name}:\n{code}\n{result.stderr}"
     assert result.stdout.strip(), f"example {name} printed nothing"
     print(result.stdout)  # shown with -s: what a reader of the page would see
+    return result.stdout
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("name", "code"), QUICK_START, ids=[name for name, _ in QUICK_START])
+def test_readme_example_runs(quick_start_env: dict[str, str], name: str, code: str) -> None:
+    _run_example(name, code, quick_start_env)
+
+
+@pytest.mark.daemon_process
+@pytest.mark.parametrize(("name", "code"), SNAPSHOTS, ids=[name for name, _ in SNAPSHOTS])
+def test_snapshot_example_runs(name: str, code: str) -> None:
+    """As printed, but on a daemon of its own (free ports for the example's 5557 and 5559)
+    that serves snapshots and holds blocks: what it prints is what that daemon holds."""
+    daemon = Daemon({"events": {"snapshot_endpoint": True}}, transport="tcp")
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            store_released(client, unique_prompt(3))
+            held = len(snapshot_blocks(client.snapshot(0)))
+            seq = client.stats().ranks[0].seq
+        ported = code.replace("tcp://localhost:5557", daemon.events_endpoint).replace(
+            SNAPSHOT_ENDPOINT, daemon.snapshot_endpoint
+        )
+        printed = _run_example(name, ported, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert f"rank 0 holds {held} blocks as of seq " in printed
+        assert int(printed.split("as of seq ")[1].split()[0]) >= seq
+    finally:
+        daemon.cleanup()
