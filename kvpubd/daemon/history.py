@@ -118,6 +118,8 @@ class History:
         self.max_retained = buffer_steps + max(buffer_steps, REPLAY_EXTRA_BATCHES)
         self.batches = 0
         self.events = 0
+        # The last batch that held events: the state published at any later seq is the same.
+        self.last_event_seq = first_seq - 1
         self._holds: list[Reader] = []
         # The snapshot of the current state, for readers of history the ring lost (the rank's
         # pipeline's); without it such a reader gets what the ring holds.
@@ -160,6 +162,8 @@ class History:
         self._last_sent = time.monotonic()
         self.batches += 1
         self.events += len(events)
+        if events:
+            self.last_event_seq = seq
         return seq
 
     def _trim(self) -> None:

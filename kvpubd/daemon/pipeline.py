@@ -241,17 +241,21 @@ class RankPipeline:
 
     def snapshot(self) -> SnapshotJob:
         """The job building the published blocks (one-block stores, parents first) at the
-        current seq. Requests share it: one build per published seq, however many ask."""
+        current seq. Requests share it: one build per published state, however many ask (a
+        finished build stands for later seqs while only empty batches, heartbeats, went out)."""
         job = self._snapshot
         if job is not None and not job.result.done():
             return job
+        history = self.publisher.history
         if (
             job is not None
-            and job.seq == self.publisher.last_seq
-            and not self.sink.pending_count
             and not job.result.cancelled()
             and job.result.exception() is None
+            and job.seq >= history.last_event_seq
+            and not self.sink.pending_count
         ):
+            if job.seq < history.last_seq:
+                job.advance_to(history.last_seq)
             return job
         self._snapshot = SnapshotJob(self, self._wire_format)
         return self._snapshot

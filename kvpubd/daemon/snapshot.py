@@ -16,6 +16,7 @@ put their one message together from the chunks' event bodies, without re-encodin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -116,6 +117,14 @@ class SnapshotJob:
         self.seq = -1  # the seq the job is (or was last) building at
         self.result: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(), name=f"kvpubd snapshot rank {source.rank}")
+
+    def advance_to(self, seq: int) -> None:
+        """A finished job stands for a later ``seq`` at which nothing changed (only empty
+        batches, heartbeats, went out since): its snapshot, numbered ``seq``, chunks shared."""
+        snapshot = self.result.result()
+        self.seq = seq
+        self.result = asyncio.get_running_loop().create_future()
+        self.result.set_result(dataclasses.replace(snapshot, seq=seq))
 
     def cancel(self) -> None:
         self._task.cancel()

@@ -233,9 +233,10 @@ class SnapshotEndpoint:
         """Whether replies of ``snapshot`` may go out: the snapshots that replies still in
         ZeroMQ's hands keep alive stay within PINNED_BYTES, the newest one aside."""
         self._in_flight = [(t, s) for t, s in self._in_flight if not t.done]
-        if any(s is snapshot for _, s in self._in_flight):
+        # By their chunks: a snapshot that stands for a later seq shares its build's.
+        if any(s.chunks is snapshot.chunks for _, s in self._in_flight):
             return True
-        pinned = {id(s): s.nbytes for _, s in self._in_flight}
+        pinned = {id(s.chunks): s.nbytes for _, s in self._in_flight}
         return sum(pinned.values()) < PINNED_BYTES
 
     # -- replies ------------------------------------------------------------------------------
