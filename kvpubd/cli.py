@@ -297,10 +297,21 @@ def ping(
 
 
 def _reply_json(reply: object) -> object:
-    """A control reply (a msgspec struct) as JSON values, its fields in declaration order."""
+    """A control reply (a msgspec struct) as JSON values, its fields in declaration order;
+    bytes (publisher ids) in hex, as routers log them."""
     import msgspec
 
-    return msgspec.to_builtins(reply)
+    return _hex_bytes(msgspec.to_builtins(reply, builtin_types=(bytes,)))
+
+
+def _hex_bytes(value: object) -> object:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {key: _hex_bytes(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_hex_bytes(item) for item in value]
+    return value
 
 
 def _text(value: object) -> str:

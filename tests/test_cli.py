@@ -15,7 +15,9 @@ import pytest
 
 from kvpubd import __version__
 from kvpubd.client import Received
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import AllBlocksCleared, BlockStored
+from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import chain_hashes
 
@@ -124,6 +126,19 @@ def test_ping_prints_version_and_epoch(daemon: Daemon) -> None:
     reply = json.loads(line)
     assert reply["version"] == __version__
     assert reply["epoch"] == daemon.epoch
+
+
+def test_ping_prints_each_rank_s_snapshot_endpoint_and_publisher_id_in_hex(
+    start_daemon: DaemonFactory,
+) -> None:
+    daemon = start_daemon(events={"snapshot_endpoint": True})
+    with daemon.client() as client:
+        publisher_id = client.stats().ranks[0].publisher_id
+    result = kvpubd("ping", "--control", daemon.control_endpoint)
+    assert result.returncode == 0, result.stderr
+    (endpoints,) = json.loads(result.stdout)["endpoints"]
+    assert endpoints["publisher_id"] == publisher_id.hex() and len(publisher_id) == 16
+    assert endpoints["snapshot"] == rank_endpoint(daemon.snapshot_endpoint, 0)
 
 
 def test_reset_prints_marker_seq(daemon: Daemon) -> None:
