@@ -234,3 +234,23 @@ async def test_a_replay_from_past_the_last_seq_gets_exactly_the_end_marker(
         dealer.close(linger=0)
         publisher.close()
         context.term()
+
+
+def test_a_client_with_the_longest_routing_id_is_answered(start_daemon: DaemonFactory) -> None:
+    """ZeroMQ allows routing ids of up to 255 bytes; the replay ROUTER's message size limit
+    also bounds the handshake that carries the id, so it must leave room for the longest."""
+    daemon = start_daemon()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, b"r" * 255)
+        sock.connect(rank_endpoint(daemon.replay_endpoint, 0))
+        sock.send_multipart([b"", pack_seq(0)])
+        assert sock.poll(10_000), "no replay reply"
+        frames = sock.recv_multipart()
+        while frames[-2] != END_SEQ:
+            assert sock.poll(10_000), "the replay stopped before its end marker"
+            frames = sock.recv_multipart()
+    finally:
+        context.destroy(linger=0)

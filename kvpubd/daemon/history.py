@@ -57,15 +57,16 @@ class Reader(Protocol):
         ...
 
 
-def seq_origin(mode: str, last_seq: int | None = None) -> int:
+def seq_origin(mode: str, last_seq: int | None = None, max_seq: int = MAX_SEQ) -> int:
     """The first seq of a run. "continue": the previous run's ``last_seq`` + 1 (0 for a first
     run, and after the last seq there is), so every consumer applies the new run's first batch
     in order. "clock": the wall clock in microseconds, so every run's seqs lie above the last
     run's (a run would have to average a million batches a second to overtake the clock) and a
     restart looks like a forward jump to consumers that keep the last seq they applied. "zero":
-    every run starts again at 0."""
+    every run starts again at 0. ``max_seq``: the last seq "continue" goes on from (the
+    snapshot protocol numbers seqs as signed: ``MAX_SIGNED_SEQ`` while it is served)."""
     if mode == "continue":
-        return 0 if last_seq is None or last_seq >= MAX_SEQ else last_seq + 1
+        return 0 if last_seq is None or last_seq >= max_seq else last_seq + 1
     if mode == "zero":
         return 0
     if mode == "clock":

@@ -31,7 +31,7 @@ from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
 from kvpubd.protocol.control import PoolInfo, RankStats, ReleaseReply, Store, StoreReply
 from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.int_arrays import IntArray
-from kvpubd.protocol.wire import BlockStored
+from kvpubd.protocol.wire import MAX_SEQ, MAX_SIGNED_SEQ, BlockStored
 
 # Blocks captured (stored or removed) that go out as a batch at once, not at the next tick: a
 # reset must publish everything captured before its marker, so this bounds what it encodes
@@ -76,8 +76,10 @@ class RankPipeline:
             )
             if self._seq_state is not None:
                 last_seq = self._seq_state.loaded.last_seq
-        first_seq = seq_origin(events.seq_origin, last_seq)
         serves_snapshots = bool(events.snapshot_endpoint)
+        first_seq = seq_origin(
+            events.seq_origin, last_seq, MAX_SIGNED_SEQ if serves_snapshots else MAX_SEQ
+        )
         history = History(
             wire_format=events.wire_format,
             rank=rank,

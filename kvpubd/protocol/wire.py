@@ -31,6 +31,8 @@ BlockExtraKeys = tuple[Any, ...]
 
 END_SEQ = b"\xff" * 8  # reserved: the replay end marker, never a live seq
 MAX_SEQ = (1 << 64) - 2
+# The snapshot protocol's reply numbers seqs as signed 64-bit: a run serving it stays below.
+MAX_SIGNED_SEQ = (1 << 63) - 1
 PUBLISHER_ID_BYTES = 16
 
 

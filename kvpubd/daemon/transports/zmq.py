@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REPLAY_MAX_MESSAGE_BYTES = 256  # a replay request is 8 bytes; anything far larger is abuse
+# A replay request is 8 bytes; anything far larger is abuse. Not less: ZeroMQ's handshake
+# (READY, with a routing id of up to 255 bytes) is held to it too.
+REPLAY_MAX_MESSAGE_BYTES = 512
 REPLAY_CHUNK = 64  # batches one replay sends before the next replay gets a turn
 REPLAY_ACCEPT = 32  # replay requests read per loop turn: a flood waits in ZeroMQ, not here
 REPLAY_SLICE_S = 0.0005  # replay work per loop turn

@@ -31,13 +31,16 @@ import zmq
 from kvpubd.daemon.history import History
 from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.zmq_loop import REPLAY_AFFINITY, listener, readable, reader_fd
+from kvpubd.protocol.wire import MAX_SIGNED_SEQ
 
 log = logging.getLogger(__name__)
 
 REQUEST = b"snapshot"
 NOTHING_PUBLISHED = -1
 UNAVAILABLE = -2
-MAX_MESSAGE_BYTES = 64  # per frame: the request is 8 bytes
+# Per frame: the request is 8 bytes, but ZeroMQ's handshake (READY, with a routing id of up
+# to 255 bytes) is held to it too.
+MAX_MESSAGE_BYTES = 512
 REQUEST_FRAMES = 3  # [identity, b"", b"snapshot"] as the ROUTER reads a REQ's request
 ACCEPT_FRAMES = 256  # frames read per loop turn (a message of thousands is discarded in slices)
 MAX_WAITING = 1024  # requests waiting for a snapshot; more are ignored (the client retries)
@@ -211,6 +214,10 @@ class SnapshotEndpoint:
         if not answered:
             return
         if not self._may_pin(snapshot):
+            for identity in answered:
+                self._queue_unavailable(identity)
+            return
+        if snapshot.seq > MAX_SIGNED_SEQ:  # (a run that serves snapshots never gets there)
             for identity in answered:
                 self._queue_unavailable(identity)
             return
