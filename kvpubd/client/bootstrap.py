@@ -221,8 +221,9 @@ class SnapshotTracker:
         try:
             received = self._apply(stream, stream.mirror, message)
         except _Failed:
+            # Held: a snapshot at its seq or later covers it.
             self._unavailable(stream)
-            return []
+            return self._hold(stream, message)
         return self._delivered(stream, [received])
 
     def on_snapshot(self, request: FetchSnapshot, frames: list[bytes]) -> list[Received]:
