@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpubd.protocol.wire import END_SEQ, unpack_seq
+from kvpubd.protocol.wire import END_SEQ, PUBLISHER_ID_BYTES, unpack_seq
 
 SNAPSHOT_REQUEST = b"snapshot"
-PUBLISHER_ID_BYTES = 16
 NOTHING_PUBLISHED = -1  # reply seq: an empty index, no live seq covered yet
 UNAVAILABLE = -2  # reply seq: no snapshot right now (and no chunks): retry later
 

@@ -474,6 +474,7 @@ class Subscriber(_Base[SyncContext, ControlClient]):
         ``snapshot_endpoint``, wait until every rank is bootstrapped (SubscriberTimeout when
         none gets ready for ``snapshot_timeout`` seconds)."""
         if isinstance(self.tracker, SnapshotTracker):
+            self._receive(0)  # what is queued already, ready ranks or not
             progress = [-1.0, 0.0]
             while not self.tracker.all_ready():
                 self._bootstrap_stalled(progress)
@@ -576,6 +577,7 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
 
     async def catch_up(self) -> list[Received]:
         if isinstance(self.tracker, SnapshotTracker):
+            await self._receive(0)
             progress = [-1.0, 0.0]
             while not self.tracker.all_ready():
                 self._bootstrap_stalled(progress)
