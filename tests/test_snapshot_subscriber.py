@@ -218,6 +218,14 @@ def test_an_unanswered_request_times_out_and_is_asked_again(
         sub.close()
 
 
+def test_catch_up_without_a_publisher_times_out(endpoints: Endpoints) -> None:
+    """No live message at all: catch_up gives up after snapshot_timeout, naming the rank."""
+    with sync(endpoints, snapshot_timeout=0.3) as sub:
+        with pytest.raises(SubscriberTimeout, match=r"rank\(s\) \[0\] not bootstrapped"):
+            sub.catch_up()
+        assert sub.counters.snapshots_failed == 0 and not sub.synced(0)
+
+
 def test_silence_bootstraps_again(publisher: SnapshotPublisher, endpoints: Endpoints) -> None:
     """A ready rank that hears nothing for silence_timeout (no heartbeat) is unavailable until
     the publisher speaks again and a new bootstrap completes."""

@@ -208,7 +208,7 @@ class _Base(Generic[ContextT, ControlT]):
         snapshot_timeout: float = 10.0,
         silence_timeout: float = 5.0,
     ) -> None:
-        if snapshot_endpoint is not None:
+        if snapshot_endpoint:
             check_endpoint(snapshot_endpoint)
             _check_snapshot_arguments(replay_endpoint, control, idle_check, snapshot_timeout)
         if not replay_timeout > 0:
