@@ -149,3 +149,16 @@ def test_a_daemon_without_snapshots_is_named(start_daemon: DaemonFactory) -> Non
             pump(sub, lambda: False, what="a batch")
     finally:
         sub.close()
+
+
+def test_the_replay_subscriber_reads_the_four_element_batches(start_daemon: DaemonFactory) -> None:
+    """Serving snapshots adds a 4th element to every batch; a subscriber that repairs by
+    replay (no snapshot_endpoint) follows that daemon as any other."""
+    daemon = start_daemon(events=SNAPSHOTS)
+    with daemon.client() as client:
+        for _ in range(3):
+            store_released(client, unique_prompt(2))
+        with Subscriber(daemon.events_endpoint, daemon.replay_endpoint, control=client) as sub:
+            assert sub.catch_up()
+            assert_mirror_is_snapshot(sub, client, [0])
+            assert sub.publisher_id(0) is None and sub.counters.malformed == 0
