@@ -2,7 +2,8 @@
 
 - ``ControlClient`` / ``AsyncControlClient``: the control socket (store, release, reset, ...),
   answering with the typed replies of ``kvpubd.client.replies``;
-- ``Subscriber`` / ``AsyncSubscriber``: follow the event stream, repairing gaps by replay;
+- ``Subscriber`` / ``AsyncSubscriber``: follow the event stream, repairing gaps by replay (or,
+  with ``snapshot_endpoint``, bootstrapping from a snapshot: ``kvpubd.client.bootstrap``);
 - ``Mirror``: the cache as a router sees it, rebuilt from published events alone;
 - ``map_pool``: map the daemon's block pool into this process;
 - the events a batch holds (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, their

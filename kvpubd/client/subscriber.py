@@ -9,9 +9,15 @@ endpoint is derived from them as the daemon does. ``control`` (an endpoint or a 
 the epoch check and the snapshot resync; without it, history that replay no longer holds is
 counted as ``lost`` and the rank's mirror waits for the next ``AllBlocksCleared``.
 
-A replay or control request that gets no answer raises ``TimeoutError`` (``SubscriberTimeout``
-or ``ControlTimeout``) from the call that needed it; the request is kept and retried by the next
-call, so a caller that waits out a daemon restart just calls again."""
+With ``snapshot_endpoint`` (a publisher serving the snapshot protocol: a kvpubd daemon with
+``events.snapshot_endpoint``, or a vLLM engine), each rank is followed by a
+``kvpubd.client.bootstrap.SnapshotTracker`` instead: it bootstraps from a snapshot and, on a
+gap, a new publisher_id or a silence, bootstraps again. Replay and control play no part then
+(passing them too is refused).
+
+A replay, snapshot or control request that gets no answer raises ``TimeoutError``
+(``SubscriberTimeout`` or ``ControlTimeout``) from the call that needed it; the request is kept
+and retried by the next call, so a caller that waits out a daemon restart just calls again."""
 
 from __future__ import annotations
 
@@ -22,8 +28,10 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.asyncio
 
+from kvpubd.client.bootstrap import FetchSnapshot, SnapshotTracker
 from kvpubd.client.control import AsyncControlClient, ControlClient
 from kvpubd.client.mirror import Mirror
+from kvpubd.client.snapshot_wire import SNAPSHOT_REQUEST
 from kvpubd.client.tracker import (
     Callbacks,
     Counters,
@@ -57,7 +65,8 @@ ControlT = TypeVar("ControlT", ControlClient, AsyncControlClient)
 
 
 class SubscriberTimeout(TimeoutError):
-    """A replay did not finish in time (the daemon is down or overloaded); retried next call."""
+    """A replay or snapshot did not finish in time (the publisher is down or overloaded);
+    retried next call."""
 
 
 def parse_replay_message(frames: list[bytes]) -> tuple[int, bytes] | None:
@@ -144,6 +153,29 @@ def replay(
     return batches
 
 
+def _check_snapshot_arguments(
+    replay_endpoint: str | None, control: object, idle_check: float | None, timeout: float
+) -> None:
+    """The snapshot protocol repairs by bootstrapping again: replay, control and idle_check
+    (which serve the other repair) would be silently unused, so they are refused."""
+    given = [
+        name
+        for name, value in (
+            ("replay_endpoint", replay_endpoint),
+            ("control", control),
+            ("idle_check", idle_check),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"snapshot_endpoint replaces {' and '.join(given)}: a rank that follows the snapshot "
+            "protocol bootstraps again instead of replaying (pass one or the other)"
+        )
+    if not timeout > 0:
+        raise ValueError(f"snapshot_timeout: {timeout} is not a positive number of seconds")
+
+
 class _Base(Generic[ContextT, ControlT]):
     """What both forms share: arguments, sockets, the tracker and the read-only views; the
     forms add only the waiting (blocking or awaited) around the same steps."""
@@ -172,7 +204,13 @@ class _Base(Generic[ContextT, ControlT]):
         on_resync: Callable[[int, int], None] | None = None,
         on_restart: Callable[[int, str], None] | None = None,
         context: ContextT | None = None,
+        snapshot_endpoint: str | None = None,
+        snapshot_timeout: float = 10.0,
+        silence_timeout: float = 5.0,
     ) -> None:
+        if snapshot_endpoint:
+            check_endpoint(snapshot_endpoint)
+            _check_snapshot_arguments(replay_endpoint, control, idle_check, snapshot_timeout)
         if not replay_timeout > 0:
             raise ValueError(
                 f"replay_timeout: {replay_timeout} is not a positive number of seconds"
@@ -192,13 +230,24 @@ class _Base(Generic[ContextT, ControlT]):
         self._replay_endpoints = (
             {r: rank_endpoint(replay_endpoint, r) for r in rank_list} if replay_endpoint else {}
         )
-        self.tracker = StreamTracker(
-            rank_list,
-            replay=bool(replay_endpoint),
-            control=control is not None,
-            keep_mirror=mirror,
-            callbacks=Callbacks(on_batch, on_gap, on_resync, on_restart),
+        self.snapshot_timeout = snapshot_timeout
+        self._snapshot_endpoints = (
+            {r: rank_endpoint(snapshot_endpoint, r) for r in rank_list} if snapshot_endpoint else {}
         )
+        callbacks = Callbacks(on_batch, on_gap, on_resync, on_restart)
+        self.tracker: StreamTracker | SnapshotTracker
+        if snapshot_endpoint:
+            self.tracker = SnapshotTracker(
+                rank_list, keep_mirror=mirror, callbacks=callbacks, silence_timeout=silence_timeout
+            )
+        else:
+            self.tracker = StreamTracker(
+                rank_list,
+                replay=bool(replay_endpoint),
+                control=control is not None,
+                keep_mirror=mirror,
+                callbacks=callbacks,
+            )
         self._heard = dict.fromkeys(rank_list, time.monotonic())
         # Applied and not yet returned: survives a call that raised (timeout) midway.
         self._ready: list[Received] = []
@@ -248,6 +297,12 @@ class _Base(Generic[ContextT, ControlT]):
     def last_seq(self, rank: int = 0) -> int | None:
         return self.tracker.streams[rank].last
 
+    def publisher_id(self, rank: int = 0) -> bytes | None:
+        """The 16-byte id of the publisher lifetime that the rank's mirror comes from (snapshot
+        protocol only; None before the first bootstrap, and without ``snapshot_endpoint``)."""
+        tracker = self.tracker
+        return tracker.streams[rank].publisher_id if isinstance(tracker, SnapshotTracker) else None
+
     @property
     def epoch(self) -> int | None:
         return self.tracker.epoch
@@ -274,6 +329,18 @@ class _Base(Generic[ContextT, ControlT]):
             sock = self._dealers[rank] = self._open(zmq.DEALER, rank)
         return sock
 
+    @property
+    def _replaying(self) -> StreamTracker:
+        """The tracker of a subscriber that repairs by replay (no snapshot_endpoint)."""
+        assert isinstance(self.tracker, StreamTracker)
+        return self.tracker
+
+    @property
+    def _bootstrapping(self) -> SnapshotTracker:
+        """The tracker of a subscriber that follows the snapshot protocol."""
+        assert isinstance(self.tracker, SnapshotTracker)
+        return self.tracker
+
     def _replayed(self, request: Replay, batches: list[tuple[int, bytes]] | None) -> list[Received]:
         """Apply a finished replay; a replay that timed out (None) raises SubscriberTimeout."""
         if batches is None:
@@ -282,19 +349,19 @@ class _Base(Generic[ContextT, ControlT]):
             endpoint = self._replay_endpoints[request.rank]
             raise SubscriberTimeout(f"replay from {endpoint} did not finish")
         self._heard[request.rank] = time.monotonic()
-        return self.tracker.on_replay(request.rank, request.start, batches)
+        return self._replaying.on_replay(request.rank, request.start, batches)
 
     def _reconnect(self, request: Reconnect) -> list[Received]:
         self._subs[request.rank].close()
         self._subs[request.rank] = self._open(zmq.SUB, request.rank)
-        self.tracker.on_reconnected(request.rank)
+        self._replaying.on_reconnected(request.rank)
         return []
 
     def _controlled(self, request: Ping | Snapshot, reply: Mapping[str, Any]) -> list[Received]:
         if isinstance(request, Ping):
-            self.tracker.on_ping(reply)
+            self._replaying.on_ping(reply)
             return []
-        return self.tracker.on_snapshot(request.rank, reply)
+        return self._replaying.on_snapshot(request.rank, reply)
 
     @staticmethod
     def _control_request(request: Ping | Snapshot) -> tuple[str, dict[str, object]]:
@@ -314,7 +381,24 @@ class _Base(Generic[ContextT, ControlT]):
         return poller
 
     def _wait_ms(self, timeout: float) -> int:
-        return 0 if self._ready else int(timeout * 1000)
+        """How long to poll the SUB sockets: ``timeout``, cut short when batches are ready or
+        a timed step (a snapshot retry, a silence) comes due first."""
+        if self._ready:
+            return 0
+        if isinstance(self.tracker, SnapshotTracker):
+            due = self.tracker.wake_in()
+            if due is not None:
+                timeout = min(timeout, due)
+        return int(timeout * 1000)
+
+    def _timed_steps(self) -> bool:
+        """After reading the SUB sockets: what silence asks for (a replay of ranks idle for
+        ``idle_check``, a bootstrap of ranks silent for ``silence_timeout``). True when the
+        tracker has a request to carry out."""
+        if isinstance(self.tracker, SnapshotTracker):
+            self.tracker.tick()
+            return self.tracker.next_request() is not None
+        return bool(self._idle_ranks())
 
     def _idle_ranks(self) -> list[int]:
         """Ranks silent for ``idle_check`` seconds: replaying from their last seq finds a tail
@@ -326,8 +410,37 @@ class _Base(Generic[ContextT, ControlT]):
         for rank in idle:
             self._heard[rank] = now
         if idle:
-            self.tracker.catch_up(idle)
+            self._replaying.catch_up(idle)
         return idle
+
+    # -- the snapshot protocol's steps ---------------------------------------------------
+
+    def _snapshot_socket(self, rank: int) -> Any:
+        """A fresh REQ socket per attempt: a late reply to an abandoned one is never read."""
+        sock = self._context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._snapshot_endpoints[rank])
+        return sock
+
+    def _snapshot_timed_out(self, request: FetchSnapshot) -> SubscriberTimeout:
+        self._bootstrapping.on_snapshot_timeout(request)
+        endpoint = self._snapshot_endpoints[request.rank]
+        return SubscriberTimeout(
+            f"no snapshot from {endpoint} within {self.snapshot_timeout} s (asked again next call)"
+        )
+
+    def _bootstrap_stalled(self, progress: list[float]) -> None:
+        """For catch_up: SubscriberTimeout once no rank got ready for ``snapshot_timeout``
+        seconds (``progress``: [ready ranks, time of the last change], kept by the caller)."""
+        now, ready = time.monotonic(), sum(s.synced for s in self.tracker.streams.values())
+        if ready > progress[0]:
+            progress[:] = [ready, now]
+        elif now - progress[1] > self.snapshot_timeout:
+            waiting = [r for r, s in self.tracker.streams.items() if not s.synced]
+            raise SubscriberTimeout(
+                f"rank(s) {waiting} not bootstrapped within {self.snapshot_timeout} s: "
+                "no live message, or no usable snapshot (asked again next call)"
+            )
 
 
 class Subscriber(_Base[SyncContext, ControlClient]):
@@ -335,11 +448,15 @@ class Subscriber(_Base[SyncContext, ControlClient]):
     single-rank daemons sharing base endpoints (``cache.data_parallel_start_rank``).
 
     ``receive(timeout)`` returns the batches applied meanwhile, in seq order per rank;
-    ``catch_up()`` also asks replay for anything published since the last seq; iterating
-    yields batches forever. ``counters`` / ``rank_counters(r)`` say what happened, and the
-    ``on_*`` callbacks report it as it happens. ``rcvhwm`` sets the SUB sockets' receive
-    high-water mark; ``idle_check`` (seconds) replays a rank that has been silent that long.
-    ``control`` (an endpoint or a ControlClient) enables the epoch check and snapshot resync."""
+    ``catch_up()`` also asks replay for anything published since the last seq (with
+    ``snapshot_endpoint``: waits until every rank is bootstrapped); iterating yields batches
+    forever. ``counters`` / ``rank_counters(r)`` say what happened, and the ``on_*`` callbacks
+    report it as it happens. ``rcvhwm`` sets the SUB sockets' receive high-water mark;
+    ``idle_check`` (seconds) replays a rank that has been silent that long. ``control`` (an
+    endpoint or a ControlClient) enables the epoch check and snapshot resync.
+    ``snapshot_endpoint`` follows the snapshot protocol instead (see the module's docstring):
+    ``snapshot_timeout`` bounds one snapshot request, ``silence_timeout`` the silence after
+    which a ready rank bootstraps again."""
 
     _context_class = zmq.Context
 
@@ -353,15 +470,34 @@ class Subscriber(_Base[SyncContext, ControlClient]):
         self.close()
 
     def catch_up(self) -> list[Received]:
-        """Replay every rank from its last seq (from 0 at first) and apply what comes."""
+        """Replay every rank from its last seq (from 0 at first) and apply what comes; with
+        ``snapshot_endpoint``, wait until every rank is bootstrapped (SubscriberTimeout when
+        none gets ready for ``snapshot_timeout`` seconds)."""
+        if isinstance(self.tracker, SnapshotTracker):
+            self._receive(0)  # what is queued already, ready ranks or not
+            progress = [-1.0, 0.0]
+            while not self.tracker.all_ready():
+                self._bootstrap_stalled(progress)
+                self._receive(0.05)
+            return self._take()
         self.tracker.catch_up()
         self._service()
         return self._take()
 
     def receive(self, timeout: float) -> list[Received]:
         """Batches applied within ``timeout`` seconds (less if some are ready at once)."""
+        self._receive(timeout)
+        return self._take()
+
+    def _receive(self, timeout: float) -> None:
         self._service()
-        ready = dict(self._poller().poll(self._wait_ms(timeout)))
+        self._drain(dict(self._poller().poll(self._wait_ms(timeout))), service=True)
+        if self._timed_steps():
+            self._service()
+
+    def _drain(self, ready: Mapping[Any, int], service: bool) -> None:
+        """Feed the tracker what the ready SUB sockets hold (a burst per rank); ``service``:
+        carry out its requests after each message."""
         for rank in self._heard_from(ready):
             for _ in range(BURST):
                 try:
@@ -369,10 +505,8 @@ class Subscriber(_Base[SyncContext, ControlClient]):
                 except zmq.Again:
                     break
                 self._ready.extend(self.tracker.on_live(rank, frames))
-                self._service()
-        if self._idle_ranks():
-            self._service()
-        return self._take()
+                if service:
+                    self._service()
 
     def __iter__(self) -> Iterator[Received]:
         yield from self.catch_up()
@@ -388,7 +522,9 @@ class Subscriber(_Base[SyncContext, ControlClient]):
                 self.tracker.on_timeout()
                 raise
 
-    def _perform(self, request: Request) -> list[Received]:
+    def _perform(self, request: Request | FetchSnapshot) -> list[Received]:
+        if isinstance(request, FetchSnapshot):
+            return self._fetch_snapshot(request)
         if isinstance(request, Replay):
             batches = _read_replay(
                 self._dealer(request.rank), request.start, self.replay_timeout, self.topic
@@ -399,6 +535,28 @@ class Subscriber(_Base[SyncContext, ControlClient]):
         assert self._control is not None
         op, fields = self._control_request(request)
         return self._controlled(request, self._control._call(op, **fields))
+
+    def _fetch_snapshot(self, request: FetchSnapshot) -> list[Received]:
+        """Ask for the rank's snapshot and wait for it, buffering (through the tracker) what
+        every SUB socket receives meanwhile."""
+        tracker = self._bootstrapping
+        sock = self._snapshot_socket(request.rank)
+        try:
+            sock.send(SNAPSHOT_REQUEST)
+            poller = self._poller()
+            poller.register(sock, zmq.POLLIN)
+            deadline = time.monotonic() + self.snapshot_timeout
+            while tracker.awaiting(request):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._snapshot_timed_out(request)
+                ready = dict(poller.poll(max(1, int(left * 1000))))
+                if sock in ready:
+                    return tracker.on_snapshot(request, sock.recv_multipart())
+                self._drain(ready, service=False)
+            return []  # a buffer overflow dropped the request
+        finally:
+            sock.close()
 
 
 class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
@@ -418,13 +576,28 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
         self.close()
 
     async def catch_up(self) -> list[Received]:
+        if isinstance(self.tracker, SnapshotTracker):
+            await self._receive(0)
+            progress = [-1.0, 0.0]
+            while not self.tracker.all_ready():
+                self._bootstrap_stalled(progress)
+                await self._receive(0.05)
+            return self._take()
         self.tracker.catch_up()
         await self._service()
         return self._take()
 
     async def receive(self, timeout: float) -> list[Received]:
+        await self._receive(timeout)
+        return self._take()
+
+    async def _receive(self, timeout: float) -> None:
         await self._service()
-        ready = dict(await self._poller().poll(self._wait_ms(timeout)))
+        await self._drain(dict(await self._poller().poll(self._wait_ms(timeout))), service=True)
+        if self._timed_steps():
+            await self._service()
+
+    async def _drain(self, ready: Mapping[Any, int], service: bool) -> None:
         for rank in self._heard_from(ready):
             for _ in range(BURST):
                 try:
@@ -432,10 +605,8 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
                 except zmq.Again:
                     break
                 self._ready.extend(self.tracker.on_live(rank, frames))
-                await self._service()
-        if self._idle_ranks():
-            await self._service()
-        return self._take()
+                if service:
+                    await self._service()
 
     async def __aiter__(self) -> AsyncIterator[Received]:
         for received in await self.catch_up():
@@ -452,7 +623,9 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
                 self.tracker.on_timeout()
                 raise
 
-    async def _perform(self, request: Request) -> list[Received]:
+    async def _perform(self, request: Request | FetchSnapshot) -> list[Received]:
+        if isinstance(request, FetchSnapshot):
+            return await self._fetch_snapshot(request)
         if isinstance(request, Replay):
             batches = await self._read_replay(request.rank, request.start)
             return self._replayed(request, batches)
@@ -461,6 +634,27 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
         assert self._control is not None
         op, fields = self._control_request(request)
         return self._controlled(request, await self._control._call(op, **fields))
+
+    async def _fetch_snapshot(self, request: FetchSnapshot) -> list[Received]:
+        """``Subscriber._fetch_snapshot`` awaited: the same request, the same buffering."""
+        tracker = self._bootstrapping
+        sock = self._snapshot_socket(request.rank)
+        try:
+            await sock.send(SNAPSHOT_REQUEST)
+            poller = self._poller()
+            poller.register(sock, zmq.POLLIN)
+            deadline = time.monotonic() + self.snapshot_timeout
+            while tracker.awaiting(request):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._snapshot_timed_out(request)
+                ready = dict(await poller.poll(max(1, int(left * 1000))))
+                if sock in ready:
+                    return tracker.on_snapshot(request, await sock.recv_multipart())
+                await self._drain(ready, service=False)
+            return []
+        finally:
+            sock.close()
 
     async def _read_replay(self, rank: int, start: int) -> list[tuple[int, bytes]] | None:
         """``_read_replay`` awaited: the same request and the same reader."""

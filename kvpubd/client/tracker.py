@@ -79,12 +79,17 @@ class Counters:
     # a new run after a restart; the same count with or without control for the same events.
     resyncs: int = 0
     # Daemon restarts proven (state dropped): a seq going back, a batch with another payload,
-    # a new epoch (only with control: without it, a run that jumps forward is one resync).
+    # a new epoch (only with control: without it, a run that jumps forward is one resync), or
+    # (snapshot protocol) another publisher_id on the live stream.
     restarts: int = 0
     duplicates: int = 0  # batches ignored: already applied, or covered by a snapshot
     lost: int = 0  # seqs that could be neither replayed nor resynchronised
-    violations: int = 0  # batches that broke the stream's invariants
-    malformed: int = 0  # messages that could not be decoded
+    violations: int = 0  # batches (or snapshot chunks) that broke the stream's invariants
+    malformed: int = 0  # messages (or snapshot replies and chunks) that could not be decoded
+    # Snapshot protocol only: bootstrap attempts that failed and were retried (a -2, malformed
+    # or late reply, another publisher_id, a hole after the snapshot's seq, a buffer overflow).
+    snapshots_failed: int = 0
+    silences: int = 0  # snapshot protocol only: ready ranks silent too long, bootstrapped again
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

@@ -1,0 +1,87 @@
+"""The snapshot protocol's frames as a consumer reads them, without any I/O.
+
+Live message: ``[topic, seq, payload]``, the payload ``[ts, events, data_parallel_rank,
+publisher_id]`` (16 bytes of publisher_id: one publisher lifetime). Snapshot request: one frame
+``b"snapshot"`` on a REQ socket; reply ``[seq, publisher_id, chunk_0, ...]`` with ``seq`` a
+signed 64-bit big-endian (>= 0: the last live seq the chunks cover; -1: nothing published
+yet; -2: unavailable now) and each chunk a ``[ts, events, data_parallel_rank]`` batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from kvpubd.protocol.wire import END_SEQ, PUBLISHER_ID_BYTES, unpack_seq
+
+SNAPSHOT_REQUEST = b"snapshot"
+NOTHING_PUBLISHED = -1  # reply seq: an empty index, no live seq covered yet
+UNAVAILABLE = -2  # reply seq: no snapshot right now (and no chunks): retry later
+
+
+class _Envelope(msgspec.Struct, array_like=True, gc=False):
+    """A live payload's outer array; the events stay undecoded until they are applied (those
+    a snapshot covers never are)."""
+
+    ts: float
+    events: msgspec.Raw
+    data_parallel_rank: int | None = None
+    publisher_id: bytes | None = None
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+
+
+class NoPublisherId(ValueError):
+    """A ``[ts, events, rank]`` batch: the publisher does not serve snapshots."""
+
+
+@dataclass(frozen=True, slots=True)
+class LiveMessage:
+    seq: int
+    publisher_id: bytes
+    payload: bytes
+
+
+def parse_live(frames: list[bytes], rank: int) -> LiveMessage:
+    """One live message of ``rank``'s stream; ValueError (NoPublisherId for a 3-element
+    payload) when it is not one."""
+    if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
+        raise ValueError(f"a live message is [topic, seq, payload], not {len(frames)} frames")
+    seq, payload = unpack_seq(frames[1]), frames[2]
+    try:
+        envelope = _ENVELOPE.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"payload is not a batch: {exc}") from None
+    named = envelope.data_parallel_rank
+    if named is not None and named != rank:
+        # Another rank's batch (a misrouted socket): its events would land in this rank's index.
+        raise ValueError(f"a batch of rank {named} on rank {rank}'s stream")
+    publisher_id = envelope.publisher_id
+    if publisher_id is None:
+        raise NoPublisherId("the batch has no publisher_id")
+    if len(publisher_id) != PUBLISHER_ID_BYTES:
+        raise ValueError(f"publisher_id has {len(publisher_id)} bytes, not 16")
+    return LiveMessage(seq, publisher_id, payload)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotReply:
+    seq: int
+    publisher_id: bytes
+    chunks: list[bytes]
+
+
+def parse_reply(frames: list[bytes]) -> SnapshotReply:
+    """A snapshot reply; ValueError when malformed (too few frames, frame 0 not 8 bytes,
+    frame 1 not 16 bytes, chunks alongside a seq that has none)."""
+    if len(frames) < 2:
+        raise ValueError(f"a snapshot reply has at least 2 frames, not {len(frames)}")
+    if len(frames[0]) != 8 or len(frames[1]) != PUBLISHER_ID_BYTES:
+        raise ValueError("a snapshot reply starts with an 8-byte seq and a 16-byte publisher_id")
+    seq = int.from_bytes(frames[0], "big", signed=True)
+    chunks = frames[2:]
+    if seq < 0 and chunks:
+        raise ValueError(f"a snapshot reply with seq {seq} carries {len(chunks)} chunk(s)")
+    return SnapshotReply(seq, frames[1], chunks)
