@@ -8,9 +8,11 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,9 +33,10 @@ EXAMPLES = [
     )
 ]
 # Examples for a daemon that serves snapshots (tcp://*:5559) run against one of their own.
-SNAPSHOT_ENDPOINT = "tcp://localhost:5559"
-QUICK_START = [(name, code) for name, code in EXAMPLES if SNAPSHOT_ENDPOINT not in code]
-SNAPSHOTS = [(name, code) for name, code in EXAMPLES if SNAPSHOT_ENDPOINT in code]
+SNAPSHOT_PORT = re.compile(r"tcp://(?:localhost|127\.0\.0\.1):5559")
+EVENTS_PORT = re.compile(r"tcp://(?:localhost|127\.0\.0\.1):5557")
+QUICK_START = [(name, code) for name, code in EXAMPLES if not SNAPSHOT_PORT.search(code)]
+SNAPSHOTS = [(name, code) for name, code in EXAMPLES if SNAPSHOT_PORT.search(code)]
 # The default ports are machine-wide: runs of this test in other checkouts take turns.
 LOCK = Path("/tmp/kvpubd-readme-examples.lock")
 
@@ -99,20 +102,29 @@ def test_readme_example_runs(quick_start_env: dict[str, str], name: str, code: s
 @pytest.mark.daemon_process
 @pytest.mark.parametrize(("name", "code"), SNAPSHOTS, ids=[name for name, _ in SNAPSHOTS])
 def test_snapshot_example_runs(name: str, code: str) -> None:
-    """As printed, but on a daemon of its own (free ports for the example's 5557 and 5559)
-    that serves snapshots and holds blocks: what it prints is what that daemon holds."""
-    daemon = Daemon({"events": {"snapshot_endpoint": True}}, transport="tcp")
+    """As printed, but on a daemon of its own (free ports for the example's 5557 and 5559,
+    its control endpoint where ``ControlClient()`` looks) that serves snapshots and holds
+    blocks: what the router example prints is what that daemon holds."""
+    runtime = Path(tempfile.mkdtemp(prefix="kvx", dir="/tmp"))  # short: an ipc path
+    control = f"ipc://{runtime}/kvpubd/control.sock"  # where ControlClient() looks
+    daemon = Daemon(
+        {"events": {"snapshot_endpoint": True}, "control": {"endpoint": control}},
+        transport="tcp",
+    )
     try:
         daemon.start()
         with daemon.client() as client:
             store_released(client, unique_prompt(3))
             held = len(snapshot_blocks(client.snapshot(0)))
             seq = client.stats().ranks[0].seq
-        ported = code.replace("tcp://localhost:5557", daemon.events_endpoint).replace(
-            SNAPSHOT_ENDPOINT, daemon.snapshot_endpoint
-        )
-        printed = _run_example(name, ported, {**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert f"rank 0 holds {held} blocks as of seq " in printed
-        assert int(printed.split("as of seq ")[1].split()[0]) >= seq
+        ported = SNAPSHOT_PORT.sub(daemon.snapshot_endpoint, code)
+        ported = EVENTS_PORT.sub(daemon.events_endpoint, ported)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPUBD_")}
+        env.update(PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=str(runtime))
+        printed = _run_example(name, ported, env)
+        if "rank 0 holds" in printed:  # docs/routers.md's router of its own
+            assert f"rank 0 holds {held} blocks as of seq " in printed
+            assert int(printed.split("as of seq ")[1].split()[0]) >= seq
     finally:
         daemon.cleanup()
+        shutil.rmtree(runtime, ignore_errors=True)
