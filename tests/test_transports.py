@@ -38,6 +38,9 @@ class Captured:
     replay_endpoint = ""
     replay_requests = 0
     replays_refused = 0
+    snapshot_endpoint = ""
+    snapshot_requests = 0
+    snapshots_unavailable = 0
 
     def __init__(self, setup: TransportSetup) -> None:
         self.rank = setup.rank

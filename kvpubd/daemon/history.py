@@ -19,7 +19,14 @@ from itertools import islice
 from typing import Protocol
 
 from kvpubd.daemon.snapshot import Buffer, Snapshot
-from kvpubd.protocol.wire import MAX_SEQ, BatchEncoder, Event, WireFormat, pack_seq
+from kvpubd.protocol.wire import (
+    MAX_SEQ,
+    PUBLISHER_ID_BYTES,
+    BatchEncoder,
+    Event,
+    WireFormat,
+    pack_seq,
+)
 
 # Batches the ring may keep beyond buffer_steps for the readers holding it (buffer_steps if
 # larger): what goes out while a snapshot batch of lost history is put together.
@@ -82,12 +89,17 @@ class History:
         overlap: int = 0,
         record_seq: Callable[[int], None] | None = None,
         lost_history: Callable[[], SnapshotSupply] | None = None,
+        publisher_id: bytes | None = None,
     ) -> None:
         if not 0 <= first_seq <= MAX_SEQ:
             raise ValueError(f"first_seq: {first_seq} is not a seq (0..{MAX_SEQ})")
+        if publisher_id is not None and len(publisher_id) != PUBLISHER_ID_BYTES:
+            raise ValueError(f"publisher_id: {len(publisher_id)} bytes, not {PUBLISHER_ID_BYTES}")
         self.rank = rank
         self.wire_format = wire_format
-        self._encoder = BatchEncoder(wire_format, rank)
+        # The snapshot protocol's identity of this run: every batch carries it (None: off).
+        self.publisher_id = publisher_id
+        self._encoder = BatchEncoder(wire_format, rank, publisher_id)
         self.first_seq = first_seq
         self._next_seq = first_seq
         self.heartbeat_s = heartbeat_ms / 1000
@@ -165,10 +177,10 @@ class History:
             ring.popleft()
 
     def heartbeat(self) -> int | None:
-        """Publish an empty batch ``[ts, [], rank]`` if nothing went out for the heartbeat
-        interval; returns its seq, or None. An ordinary batch (numbered, kept for replay): a
-        consumer that missed the last batch sees the gap, and one that joined an idle daemon
-        hears of it, within one interval."""
+        """Publish an empty batch (``[ts, [], rank]``, and the publisher id while snapshots are
+        served) if nothing went out for the heartbeat interval; returns its seq, or None. An
+        ordinary batch (numbered, kept for replay): a consumer that missed the last batch sees
+        the gap, and one that joined an idle daemon hears of it, within one interval."""
         if not self.heartbeat_s or time.monotonic() - self._last_sent < self.heartbeat_s:
             return None
         return self.publish([])
@@ -212,5 +224,7 @@ class History:
 
     async def _put_together(self, job: asyncio.Future[Snapshot]) -> SnapshotBatch:
         snapshot = await asyncio.shield(job)
-        payload = await snapshot.batch_payload(time.time(), self.rank, self.wire_format)
+        payload = await snapshot.batch_payload(
+            time.time(), self.rank, self.wire_format, self.publisher_id
+        )
         return snapshot.seq, payload

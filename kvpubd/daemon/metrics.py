@@ -247,6 +247,12 @@ class _StateCollector(Collector):
             ("resets", "Resets of the rank's cache."),
             ("replay_requests", "Replay requests answered."),
             ("replays_refused", "Replay requests refused: max_replays were streaming."),
+            ("snapshot_requests", "Requests to the snapshot endpoint (vLLM's protocol)."),
+            (
+                "snapshots_unavailable",
+                "Snapshot requests answered -2 (unavailable now): a failed build, or older "
+                "snapshots still held by replies to clients that do not read.",
+            ),
         ):
             yield _per_rank(CounterMetricFamily, key, help_text, ranks)
 

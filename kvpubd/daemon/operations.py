@@ -177,7 +177,13 @@ class Operations:
     @handles(Ping)
     def ping(self, request: Ping, owner: Owner | None) -> PingReply:
         endpoints = [
-            RankEndpoints(p.rank, p.publisher.endpoint, p.publisher.replay_endpoint)
+            RankEndpoints(
+                p.rank,
+                p.publisher.endpoint,
+                p.publisher.replay_endpoint,
+                p.publisher.transport.snapshot_endpoint,
+                p.publisher.history.publisher_id or b"",
+            )
             for p in self.pipelines
         ]
         return PingReply(__version__, self.epoch, len(self.pipelines), endpoints)
@@ -303,7 +309,7 @@ class Operations:
             return memoryview(error)
         head = ok_reply_head(request.id, SnapshotReply(rank, snapshot.seq, self.epoch, []))
         events = msgpack.Packer().pack_array_header(snapshot.count)
-        return await assemble([head + events, *snapshot.chunks])
+        return await assemble([head + events, *snapshot.bodies])
 
     @handles(PoolInfoRequest)
     def pool_info(self, request: PoolInfoRequest, owner: Owner | None) -> PoolInfo:

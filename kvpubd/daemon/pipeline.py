@@ -7,6 +7,7 @@ Every operation validates first and mutates after, so a refused request changes 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import numpy as np
 import zmq
@@ -39,6 +40,18 @@ from kvpubd.protocol.wire import BlockStored
 FLUSH_BLOCKS = 1024
 
 
+# The snapshot protocol's heartbeat: an idle rank publishes at least once a second.
+SNAPSHOT_HEARTBEAT_MS = 1000
+
+
+def _heartbeat_ms(configured: int, serves_snapshots: bool) -> int:
+    """events.heartbeat_ms, at most SNAPSHOT_HEARTBEAT_MS while snapshots are served (its
+    consumers take 5 s of silence for a dead publisher)."""
+    if not serves_snapshots:
+        return configured
+    return min(configured, SNAPSHOT_HEARTBEAT_MS) if configured else SNAPSHOT_HEARTBEAT_MS
+
+
 class RankPipeline:
     def __init__(
         self,
@@ -64,23 +77,29 @@ class RankPipeline:
             if self._seq_state is not None:
                 last_seq = self._seq_state.loaded.last_seq
         first_seq = seq_origin(events.seq_origin, last_seq)
+        serves_snapshots = bool(events.snapshot_endpoint)
         history = History(
             wire_format=events.wire_format,
             rank=rank,
             buffer_steps=events.buffer_steps,
             first_seq=first_seq,
-            heartbeat_ms=events.heartbeat_ms,
+            heartbeat_ms=_heartbeat_ms(events.heartbeat_ms, serves_snapshots),
             # Only where this run continues another's seqs (nothing lies below a first run).
             overlap=RESTART_OVERLAP if last_seq is not None and first_seq else 0,
             record_seq=self._seq_state.record if self._seq_state is not None else None,
             # Replays of history the ring no longer holds start from a snapshot batch.
             lost_history=self.snapshot if events.replay_snapshot else None,
+            # The snapshot protocol's identity of this run of this rank: new at every start.
+            publisher_id=uuid.uuid4().bytes if serves_snapshots else None,
         )
         # The transport first: a failed bind leaves nothing but sockets, which the context
         # closes.
         try:
             self.publisher: Publisher[Transport] = Publisher(
-                history, create_transport(TransportSetup(rank, settings, history, context))
+                history,
+                create_transport(
+                    TransportSetup(rank, settings, history, context, snapshots=self.snapshot)
+                ),
             )
         except BaseException:
             if self._seq_state is not None:
@@ -303,6 +322,10 @@ class RankPipeline:
             events_pending=self.sink.pending_count,
             endpoint=transport.endpoint,
             replay_endpoint=transport.replay_endpoint,
+            publisher_id=history.publisher_id or b"",
+            snapshot_endpoint=transport.snapshot_endpoint,
+            snapshot_requests=transport.snapshot_requests,
+            snapshots_unavailable=transport.snapshots_unavailable,
         )
 
     def close(self) -> None:

@@ -227,11 +227,13 @@ class Service:
         for pipeline in self.pipelines:
             pipeline.start()
             publisher = pipeline.publisher
+            snapshots = publisher.transport.snapshot_endpoint
             log.info(
-                "rank %d: events on %s, replay on %s",
+                "rank %d: events on %s, replay on %s%s",
                 pipeline.rank,
                 publisher.endpoint or "(nowhere)",
                 publisher.replay_endpoint or "(off)",
+                f", snapshots on {snapshots}" if snapshots else "",
             )
             publisher.start()
         self.control.start()
@@ -309,7 +311,11 @@ class Service:
         sockets = [
             (f"rank {rank} {kind} endpoint", rank_endpoint(base, rank))
             for rank in self.settings.cache.ranks
-            for kind, base in (("events", events.endpoint), ("replay", events.replay_endpoint))
+            for kind, base in (
+                ("events", events.endpoint),
+                ("replay", events.replay_endpoint),
+                ("snapshot", events.snapshot_endpoint),
+            )
             if base
         ]
         try:

@@ -84,15 +84,20 @@ class EventsConfig(_Section):
     # An idle rank publishes an empty batch after this long without one (0: never), so a
     # consumer that missed a batch or joined an idle daemon finds out within one interval.
     heartbeat_ms: int = Field(2000, ge=0, le=3_600_000)
+    # vLLM's snapshot protocol (KVEventsConfig.snapshot_endpoint): a ROUTER per rank (tcp port
+    # + rank, ipc suffix _dp<rank>) answering b"snapshot" with the rank's whole state. While
+    # set, every batch carries the rank's publisher id as a 4th element and an idle rank
+    # heartbeats at least once a second. "" (default): off, the wire unchanged.
+    snapshot_endpoint: str = ""
 
     @field_validator("endpoint")
     @classmethod
     def _check_endpoint(cls, value: str) -> str:
         return check_endpoint(value)
 
-    @field_validator("replay_endpoint")
+    @field_validator("replay_endpoint", "snapshot_endpoint")
     @classmethod
-    def _check_replay(cls, value: str) -> str:
+    def _check_optional(cls, value: str) -> str:
         return check_endpoint(value) if value else value
 
 

@@ -18,10 +18,22 @@ from pydantic import ValidationError
 from kvpubd.daemon.settings import ConfigError, EventsConfig, describe_validation_error
 
 # KVEventsConfig's fields that map onto [events] keys of the same meaning and name.
-MAPPED = ("publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm", "topic")
+MAPPED = (
+    "publisher",
+    "endpoint",
+    "replay_endpoint",
+    "snapshot_endpoint",
+    "buffer_steps",
+    "hwm",
+    "topic",
+)
 # Fields that have no counterpart here, with why.
 IGNORED = {
     "max_queue_size": "kvpubd has no queue between capture and publisher (each tick publishes)",
+    # vLLM's snapshot caps (its recorder shares the engine's GIL): kvpubd builds snapshots a
+    # slice per loop turn and sends them in chunks, whatever their size.
+    "snapshot_max_blocks": "kvpubd serves snapshots of any size, in chunks",
+    "snapshot_max_response_bytes": "kvpubd serves snapshots of any size, in chunks",
 }
 CHECKED = ("enable_kv_cache_events",)
 FIELDS = (*CHECKED, *MAPPED, *IGNORED)
@@ -77,8 +89,9 @@ def map_kv_events_config(data: Any) -> KvEventsMapping:
     events = {key: data[key] for key in MAPPED if key in data}
     if events.get("publisher", "") is None:
         del events["publisher"]  # vLLM's null: its default, here kvpubd's own setting
-    if "replay_endpoint" in events and events["replay_endpoint"] is None:
-        events["replay_endpoint"] = ""  # vLLM's null: no replay socket
+    for optional in ("replay_endpoint", "snapshot_endpoint"):
+        if optional in events and events[optional] is None:
+            events[optional] = ""  # vLLM's null: no such socket
     try:
         EventsConfig.model_validate(events)
     except ValidationError as exc:

@@ -132,11 +132,14 @@ class ControlReply(msgspec.Struct, frozen=True):
 
 
 class RankEndpoints(msgspec.Struct, frozen=True):
-    """Where one rank publishes: its events (PUB) and replay endpoints as bound."""
+    """Where one rank publishes: its events (PUB), replay and snapshot endpoints as bound
+    ("" for none), and the publisher id its batches carry (b"" while snapshots are off)."""
 
     rank: int
     events: str
     replay: str
+    snapshot: str = ""
+    publisher_id: bytes = b""
 
 
 class PingReply(ControlReply, frozen=True):
@@ -170,6 +173,12 @@ class RankStats(msgspec.Struct, frozen=True):
     # The run's first seq (events.seq_origin: by default the last run's last seq + 1); 0 from
     # a daemon that does not report it.
     first_seq: int = 0
+    # The snapshot protocol (events.snapshot_endpoint): this run's publisher id (b"" while
+    # off), the endpoint as bound, requests answered and those answered "unavailable" (-2).
+    publisher_id: bytes = b""
+    snapshot_endpoint: str = ""
+    snapshot_requests: int = 0
+    snapshots_unavailable: int = 0
 
 
 class StatsReply(ControlReply, frozen=True):

@@ -1,7 +1,9 @@
 """KV-cache event types and their wire encoding (vLLM's format), declared once.
 
 Live message: 3 frames ``[topic, seq, payload]``; ``seq`` is 8-byte big-endian and the
-payload is the msgpack array ``[ts, events, data_parallel_rank]``.
+payload is the msgpack array ``[ts, events, data_parallel_rank]``, or, from a publisher that
+serves snapshots (vLLM's snapshot protocol), ``[ts, events, data_parallel_rank, publisher_id]``
+with the 16-byte id of the publisher's lifetime (``PUBLISHER_ID_BYTES``).
 
 Each event type is a tagged ``msgspec.Struct``, as in vLLM's ``kv_events.py``: the struct is
 its own codec. The map form (vLLM >= 0.24) is the struct itself: ``type`` plus the fields,
@@ -29,6 +31,7 @@ BlockExtraKeys = tuple[Any, ...]
 
 END_SEQ = b"\xff" * 8  # reserved: the replay end marker, never a live seq
 MAX_SEQ = (1 << 64) - 2
+PUBLISHER_ID_BYTES = 16
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -219,9 +222,13 @@ class BatchEncoder:
     arrays are encoded together by NumPy (no Python int per token) and handed to msgspec as
     pre-encoded parts."""
 
-    def __init__(self, wire_format: WireFormat, rank: int) -> None:
+    def __init__(
+        self, wire_format: WireFormat, rank: int, publisher_id: bytes | None = None
+    ) -> None:
         self.wire_format = wire_format
         self.rank = rank
+        # Appended to every batch as its 4th element (the snapshot protocol) when set.
+        self.publisher_id = publisher_id
         self._raws: dict[int, msgspec.Raw] = {}
         self._tokens = _TokenArrays()
         self._encode_into = msgspec.msgpack.Encoder(enc_hook=self._hook).encode_into
@@ -251,10 +258,10 @@ class BatchEncoder:
             self._raws = self._tokens.raws(arrays)  # type: ignore[arg-type]
         out = self._out
         try:
-            if self._array:
-                self._encode_into((ts, [to_array(e) for e in events], self.rank), out)
-            else:
-                self._encode_into((ts, events, self.rank), out)
+            body: list[Any] = [to_array(e) for e in events] if self._array else events
+            identity = self.publisher_id
+            batch = (ts, body, self.rank) if identity is None else (ts, body, self.rank, identity)
+            self._encode_into(batch, out)
             payload = bytes(out)
             if len(payload) > _KEPT_BUFFER_BYTES:  # a rare huge batch: do not keep its memory
                 self._out = bytearray(1 << 16)

@@ -130,7 +130,8 @@ DaemonT = TypeVar("DaemonT", bound="DaemonProcess")
 
 class DaemonProcess:
     """A ``kvpubd serve`` child. ``transport`` "ipc" puts every socket in a private directory;
-    "tcp" uses free loopback ports. ``overrides`` maps section -> key -> value."""
+    "tcp" uses free loopback ports. ``overrides`` maps section -> key -> value;
+    ``events.snapshot_endpoint = True`` picks a private snapshot endpoint as for the others."""
 
     def __init__(
         self,
@@ -159,7 +160,9 @@ class DaemonProcess:
             for section, values in sections.items()
             for key in values
             if key in ("endpoint", "replay_endpoint")
+            or (key == "snapshot_endpoint" and values[key] is not True)
         }
+        self._snapshots = sections["events"].get("snapshot_endpoint") is True
         self.settings = sections
         self.config_path = self.dir / "kvpubd.toml"
         self._pick_endpoints()
@@ -182,26 +185,33 @@ class DaemonProcess:
         """Private endpoints (fresh free ports for tcp: one run of ``ranks`` ports each for
         events and replay), written into the config file."""
         if self.transport == "tcp":
-            events, replay, control = free_tcp_port_runs([self.ranks, self.ranks, 1])
+            events, replay, control, snapshot = free_tcp_port_runs(
+                [self.ranks, self.ranks, 1, self.ranks]
+            )
             # Each rank binds the base port plus its rank: the run starts at the first rank's.
             first = self.served[0]
             picked = {
                 ("events", "endpoint"): f"tcp://127.0.0.1:{events - first}",
                 ("events", "replay_endpoint"): f"tcp://127.0.0.1:{replay - first}",
                 ("control", "endpoint"): f"tcp://127.0.0.1:{control}",
+                ("events", "snapshot_endpoint"): f"tcp://127.0.0.1:{snapshot - first}",
             }
         else:
             picked = {
                 ("events", "endpoint"): f"ipc://{self.dir}/events",
                 ("events", "replay_endpoint"): f"ipc://{self.dir}/replay",
                 ("control", "endpoint"): f"ipc://{self.dir}/control",
+                ("events", "snapshot_endpoint"): f"ipc://{self.dir}/snapshot",
             }
+        if not self._snapshots:
+            picked.pop(("events", "snapshot_endpoint"))
         for (section, key), endpoint in picked.items():
             if (section, key) not in self._chosen:
                 self.settings[section][key] = endpoint
         self.events_endpoint = self.settings["events"]["endpoint"]
         self.replay_endpoint = self.settings["events"]["replay_endpoint"]
         self.control_endpoint = self.settings["control"]["endpoint"]
+        self.snapshot_endpoint: str = self.settings["events"].get("snapshot_endpoint", "")
         write_config(self.config_path, self.settings)
 
     def start(

@@ -3,6 +3,7 @@ builds one rank's transport from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
     from zmq import Context, Socket
 
     from kvpubd.daemon.history import History
+    from kvpubd.daemon.transports.zmq_snapshot import SnapshotJobLike
 
 # A bound socket whose connections the service caps (see conn_cap): (socket, endpoint as
 # bound, what it is: "events", "replay").
@@ -34,6 +36,17 @@ class Transport(Protocol):
 
     @property
     def replays_refused(self) -> int: ...
+
+    @property
+    def snapshot_endpoint(self) -> str:
+        """The snapshot endpoint as bound; "" where the transport serves none."""
+        ...
+
+    @property
+    def snapshot_requests(self) -> int: ...
+
+    @property
+    def snapshots_unavailable(self) -> int: ...
 
     def send(self, seq_frame: bytes, payload: bytes) -> None:
         """One batch: its seq (8 bytes, big-endian; ``wire.unpack_seq``) and its payload."""
@@ -65,3 +78,6 @@ class TransportSetup:
     history: History  # what the transport sends, and replays from
     # The daemon's ZeroMQ context (its I/O threads), for transports on ZeroMQ.
     context: Context[Socket[bytes]]
+    # The rank's shared snapshot job (a new one once the last is stale), for a transport that
+    # serves snapshots; None where nothing can build one.
+    snapshots: Callable[[], SnapshotJobLike] | None = None

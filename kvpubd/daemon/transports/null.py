@@ -15,6 +15,9 @@ class NullTransport:
     replay_endpoint = ""
     replay_requests = 0
     replays_refused = 0
+    snapshot_endpoint = ""
+    snapshot_requests = 0
+    snapshots_unavailable = 0
 
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> NullTransport:

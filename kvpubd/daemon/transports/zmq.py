@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from kvpubd.daemon.history import History, SnapshotBatch
+from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint, Snapshots
 from kvpubd.daemon.zmq_loop import (
     LIVE_AFFINITY,
     REPLAY_AFFINITY,
@@ -73,6 +74,8 @@ class ZmqTransport:
         replay_framing: str = "v026",
         linger_ms: int = 2000,
         max_replays: int = 64,
+        snapshot_endpoint: str = "",
+        snapshots: Snapshots | None = None,
     ) -> None:
         self.history = history
         self.rank = history.rank
@@ -85,6 +88,7 @@ class ZmqTransport:
         self._waiting: list[_Replay] = []  # waiting for a snapshot batch
         self._pump_scheduled = False
         self._replay_fd: int | None = None
+        self.snapshot_server: SnapshotEndpoint | None = None
 
         self.pub = listener(context.socket(zmq.PUB), LIVE_AFFINITY, context)
         self.pub.setsockopt(zmq.SNDHWM, hwm)
@@ -112,6 +116,18 @@ class ZmqTransport:
                 raise
             self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
 
+        if snapshot_endpoint:
+            if snapshots is None:
+                self.close()
+                raise ValueError("a snapshot endpoint needs the rank's snapshots")
+            try:
+                self.snapshot_server = SnapshotEndpoint(
+                    context, history, snapshots, snapshot_endpoint
+                )
+            except (zmq.ZMQError, ValueError):
+                self.close()  # the other sockets' files must not outlive a failed start
+                raise
+
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> ZmqTransport:
         events, rank = setup.settings.events, setup.rank
@@ -127,6 +143,10 @@ class ZmqTransport:
             replay_framing=events.replay_framing,
             linger_ms=setup.settings.service.linger_ms,
             max_replays=events.max_replays,
+            snapshot_endpoint=rank_endpoint(events.snapshot_endpoint, rank)
+            if events.snapshot_endpoint
+            else "",
+            snapshots=setup.snapshots,
         )
 
     def send(self, seq_frame: bytes, payload: bytes) -> None:
@@ -140,7 +160,21 @@ class ZmqTransport:
         found: list[Listener] = [(self.pub, self.endpoint, "events")]
         if self.replay is not None:
             found.append((self.replay, self.replay_endpoint, "replay"))
+        if self.snapshot_server is not None and self.snapshot_server.socket is not None:
+            found.append((self.snapshot_server.socket, self.snapshot_server.endpoint, "snapshot"))
         return found
+
+    @property
+    def snapshot_endpoint(self) -> str:
+        return self.snapshot_server.endpoint if self.snapshot_server is not None else ""
+
+    @property
+    def snapshot_requests(self) -> int:
+        return self.snapshot_server.requests if self.snapshot_server is not None else 0
+
+    @property
+    def snapshots_unavailable(self) -> int:
+        return self.snapshot_server.unavailable if self.snapshot_server is not None else 0
 
     @property
     def replays_in_progress(self) -> int:
@@ -148,7 +182,10 @@ class ZmqTransport:
         return len(self._replays) + len(self._waiting)
 
     def start(self) -> None:
-        """Serve replay requests from the running loop (a reader on the ROUTER's FD)."""
+        """Serve replay (and snapshot) requests from the running loop (readers on the ROUTERs'
+        FDs)."""
+        if self.snapshot_server is not None:
+            self.snapshot_server.start()
         if self.replay is None:
             return
         loop = asyncio.get_running_loop()
@@ -157,6 +194,8 @@ class ZmqTransport:
         self._schedule_pump()  # anything that arrived before the reader existed
 
     def stop(self) -> None:
+        if self.snapshot_server is not None:
+            self.snapshot_server.stop()
         if self._replay_fd is not None:
             asyncio.get_running_loop().remove_reader(self._replay_fd)
             self._replay_fd = None
@@ -276,6 +315,10 @@ class ZmqTransport:
 
     def close(self) -> None:
         self.stop()
+        snapshot_endpoint = self.snapshot_endpoint
+        if self.snapshot_server is not None:
+            self.snapshot_server.close()
+            self.snapshot_server = None
         if self.replay is not None:
             self.replay.close()
             # A pump already scheduled, or a snapshot batch finished later, finds no socket
@@ -286,6 +329,6 @@ class ZmqTransport:
             self._replays.clear()
             self._waiting.clear()
         self.pub.close()
-        for endpoint in (self.endpoint, self.replay_endpoint):
+        for endpoint in (self.endpoint, self.replay_endpoint, snapshot_endpoint):
             if endpoint.startswith("ipc://"):
                 Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -1,0 +1,267 @@
+"""The snapshot endpoint of vLLM's snapshot protocol (``events.snapshot_endpoint``): a ROUTER
+that answers a REQ's one frame ``b"snapshot"`` with one message
+``[seq, publisher_id, *chunks]``: ``seq`` signed 64-bit big-endian (the last seq the snapshot
+covers; -1 nothing published yet, -2 unavailable now: retry), the rank's 16-byte publisher id,
+then the batches ``[ts, events, rank]`` that rebuild the rank's state from empty. Anything else
+sent to it gets no answer.
+
+Nothing here holds the loop: requests are read a few per turn (a message of many frames is
+discarded a slice per turn), snapshots are built a slice per turn and shared by every request
+they can answer, and replies go out a slice of frames per turn, their chunks without a copy.
+A request is answered from a snapshot at least as recent as the last batch published when it
+arrived: the requester has seen a live batch before asking, so the snapshot must reach it.
+
+A client that never reads keeps its reply's chunks alive in ZeroMQ: at most ``PEER_HWM``
+replies each, and the snapshots that only such replies still hold are capped at
+``PINNED_BYTES`` in all; past that a request for a newer snapshot gets -2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+
+from kvpubd.daemon.history import History
+from kvpubd.daemon.snapshot import Snapshot
+from kvpubd.daemon.zmq_loop import REPLAY_AFFINITY, listener, readable, reader_fd
+
+log = logging.getLogger(__name__)
+
+REQUEST = b"snapshot"
+NOTHING_PUBLISHED = -1
+UNAVAILABLE = -2
+MAX_MESSAGE_BYTES = 64  # per frame: the request is 8 bytes
+REQUEST_FRAMES = 3  # [identity, b"", b"snapshot"] as the ROUTER reads a REQ's request
+ACCEPT_FRAMES = 256  # frames read per loop turn (a message of thousands is discarded in slices)
+MAX_WAITING = 1024  # requests waiting for a snapshot; more are ignored (the client retries)
+PEER_HWM = 2  # replies ZeroMQ queues for one peer; a reply beyond that is dropped
+PINNED_BYTES = 1 << 30  # older snapshots kept alive by replies still in ZeroMQ's hands
+SEND_SLICE_S = 0.0005  # reply frames sent per loop turn
+CHUNKS_FROM = 4  # a reply's frames: identity, b"", seq, publisher id, then the chunks
+_MORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class SnapshotJobLike(Protocol):
+    @property
+    def result(self) -> asyncio.Future[Snapshot]: ...
+
+
+Snapshots = Callable[[], SnapshotJobLike]  # the rank's current (shared) snapshot job
+
+
+def pack_signed_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+@dataclass(slots=True, eq=False)
+class _Reply:
+    frames: list[bytes | memoryview]  # the peer's identity first
+    snapshot: Snapshot | None  # whose chunks it sends (None: an "unavailable" reply)
+    sent: int = 0  # frames sent so far (the rest go out on later turns)
+
+
+class SnapshotEndpoint:
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        history: History,
+        snapshots: Snapshots,
+        endpoint: str,
+    ) -> None:
+        if history.publisher_id is None:
+            raise ValueError("a snapshot endpoint needs a history with a publisher id")
+        self.history = history
+        self.publisher_id = history.publisher_id
+        self._snapshots = snapshots
+        self.requests = 0  # well-formed requests received
+        self.unavailable = 0  # answered -2
+        self.ignored = 0  # malformed, or beyond MAX_WAITING
+        self._waiting: list[tuple[bytes, int]] = []  # (identity, last seq when it asked)
+        self._job: asyncio.Future[Snapshot] | None = None  # the build the waiting wait for
+        self._replies: deque[_Reply] = deque()
+        self._in_flight: list[tuple[zmq.MessageTracker, Snapshot]] = []
+        self._discarding = False  # in the middle of a message too long to be a request
+        self._pump_scheduled = False
+        self._fd: int | None = None
+
+        sock = listener(context.socket(zmq.ROUTER), REPLAY_AFFINITY, context)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, PEER_HWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an error, not a silent drop, at the HWM
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.copy_threshold = 0  # chunks go without a copy whatever their size
+        sock.bind(endpoint)
+        self.socket: zmq.Socket[bytes] | None = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # -- the loop's side ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self.socket is not None
+        self._fd = reader_fd(self.socket)
+        asyncio.get_running_loop().add_reader(self._fd, self._pump)
+        self._schedule_pump()
+
+    def stop(self) -> None:
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        self.stop()
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
+        self._waiting.clear()
+        self._replies.clear()
+        self._in_flight.clear()
+
+    def _schedule_pump(self) -> None:
+        if not self._pump_scheduled and self.socket is not None:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        sock = self.socket
+        if sock is None:
+            return
+        self._accept(sock)
+        self._dispatch()
+        self._send(sock)
+        # Reading EVENTS after our own sends re-arms the socket's edge-triggered FD.
+        if self._replies or self._discarding or readable(sock):
+            self._schedule_pump()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _accept(self, sock: zmq.Socket[bytes]) -> None:
+        budget = ACCEPT_FRAMES
+        while budget > 0:
+            if self._discarding:
+                budget -= self._discard(sock, budget)
+                continue
+            if not readable(sock):
+                return
+            frames: list[bytes] = []
+            while len(frames) <= REQUEST_FRAMES:  # one frame more than a request has
+                frames.append(sock.recv(zmq.NOBLOCK))
+                budget -= 1
+                if not sock.getsockopt(zmq.RCVMORE):
+                    break
+            else:  # longer than any request: the rest is read and dropped, a slice a turn
+                self._discarding = True
+            self._take(frames)
+
+    def _discard(self, sock: zmq.Socket[bytes], budget: int) -> int:
+        read = 0
+        while read < budget and self._discarding:
+            sock.recv(zmq.NOBLOCK)
+            read += 1
+            self._discarding = bool(sock.getsockopt(zmq.RCVMORE))
+        return read
+
+    def _take(self, frames: list[bytes]) -> None:
+        if len(frames) != REQUEST_FRAMES or frames[1] != b"" or frames[2] != REQUEST:
+            self.ignored += 1
+            log.debug("rank %d: ignored a malformed snapshot request", self.history.rank)
+            return
+        if len(self._waiting) >= MAX_WAITING:
+            self.ignored += 1
+            return
+        self.requests += 1
+        self._waiting.append((frames[0], self.history.last_seq))
+
+    def _dispatch(self) -> None:
+        """Answer the waiting requests that the current snapshot reaches; start (or wait
+        for) a newer build for the others."""
+        answered_from: asyncio.Future[Snapshot] | None = None
+        while self._waiting:
+            job = self._job
+            if job is None:
+                job = self._snapshots().result
+                if job is answered_from:  # (cannot be: a finished job serves the latest seq)
+                    return
+                self._job = job
+                if not job.done():
+                    job.add_done_callback(lambda _: self._schedule_pump())
+            if not job.done():
+                return
+            self._job = None
+            self._answer(job)
+            answered_from = job
+
+    def _answer(self, job: asyncio.Future[Snapshot]) -> None:
+        if job.cancelled() or job.exception() is not None:
+            waiting, self._waiting = self._waiting, []
+            for identity, _ in waiting:
+                self._queue_unavailable(identity)
+            return
+        snapshot = job.result()
+        answered = [identity for identity, seen in self._waiting if seen <= snapshot.seq]
+        self._waiting = [w for w in self._waiting if w[1] > snapshot.seq]
+        if not answered:
+            return
+        if not self._may_pin(snapshot):
+            for identity in answered:
+                self._queue_unavailable(identity)
+            return
+        seq = snapshot.seq if snapshot.seq >= self.history.first_seq else NOTHING_PUBLISHED
+        head = (b"", pack_signed_seq(seq), self.publisher_id)
+        for identity in answered:
+            self._replies.append(_Reply([identity, *head, *snapshot.chunks], snapshot))
+
+    def _queue_unavailable(self, identity: bytes) -> None:
+        self.unavailable += 1
+        frames: list[bytes | memoryview] = [
+            identity,
+            b"",
+            pack_signed_seq(UNAVAILABLE),
+            self.publisher_id,
+        ]
+        self._replies.append(_Reply(frames, None))
+
+    def _may_pin(self, snapshot: Snapshot) -> bool:
+        """Whether replies of ``snapshot`` may go out: the snapshots that replies still in
+        ZeroMQ's hands keep alive stay within PINNED_BYTES, the newest one aside."""
+        self._in_flight = [(t, s) for t, s in self._in_flight if not t.done]
+        if any(s is snapshot for _, s in self._in_flight):
+            return True
+        pinned = {id(s): s.nbytes for _, s in self._in_flight}
+        return sum(pinned.values()) < PINNED_BYTES
+
+    # -- replies ------------------------------------------------------------------------------
+
+    def _send(self, sock: zmq.Socket[bytes]) -> None:
+        """Send reply frames for about SEND_SLICE_S, one reply after another (a reply may stop
+        mid-way and go on next turn: nothing else is sent on this socket in between)."""
+        deadline = time.perf_counter() + SEND_SLICE_S
+        while self._replies:
+            reply = self._replies[0]
+            frames, last = reply.frames, len(reply.frames) - 1
+            try:
+                while reply.sent <= last:
+                    if time.perf_counter() >= deadline:
+                        return
+                    index = reply.sent
+                    if index < last:
+                        sock.send(frames[index], _MORE | _NOBLOCK, copy=index < CHUNKS_FROM)
+                    elif reply.snapshot is not None and index >= CHUNKS_FROM:
+                        tracker = sock.send(frames[index], _NOBLOCK, copy=False, track=True)
+                        self._in_flight.append((tracker, reply.snapshot))
+                    else:
+                        sock.send(frames[index], _NOBLOCK)
+                    reply.sent += 1
+            except zmq.ZMQError as exc:
+                # Only the identity frame can fail (the peer at its HWM, or gone): no reply,
+                # the client times out and asks again. Past it, ZeroMQ takes every frame.
+                log.debug("rank %d: a snapshot reply dropped: %s", self.history.rank, exc)
+            self._replies.popleft()
