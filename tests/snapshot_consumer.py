@@ -43,7 +43,10 @@ class Block:
     token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None
-    extra_keys: Any = None
+    extra_keys: Any = None  # this block's entry of the store's extra_keys
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None  # the map form's (absent from arrays)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class Stored:
     block_size: int
     lora_id: int | None
     extra_keys: list[Any] | None
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,9 @@ def decode_event(raw: Any) -> Event:
                 block_size=int(fields["block_size"]),
                 lora_id=fields.get("lora_id"),
                 extra_keys=None if extra is None else list(extra),
+                medium=fields.get("medium"),
+                lora_name=fields.get("lora_name"),
+                cache_salt=fields.get("cache_salt"),
             )
     except (KeyError, TypeError) as error:
         raise ProtocolError(f"bad {kind}: {raw!r}") from error
@@ -195,6 +204,9 @@ class Index:
                 block_size=size,
                 lora_id=event.lora_id,
                 extra_keys=None if event.extra_keys is None else event.extra_keys[i],
+                medium=event.medium,
+                lora_name=event.lora_name,
+                cache_salt=event.cache_salt,
             )
             parent = block_hash
 

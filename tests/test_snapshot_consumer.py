@@ -182,7 +182,9 @@ def test_bootstrap_applies_the_snapshot_then_the_buffered_batches_then_live(
     consumer.run_until(lambda: consumer.ready, what="ready")
     assert consumer.next_seq == after + 1
     assert consumer.parents() == {1: None, 2: 1, 3: 2}
-    assert consumer.index[3] == Block(parent=2, token_ids=(5, 6), block_size=2, lora_id=None)
+    assert consumer.index[3] == Block(
+        parent=2, token_ids=(5, 6), block_size=2, lora_id=None, medium="GPU"
+    )
     live(publisher, consumer, [removed([3]), stored([4, 5], 2, first_token=7)])
     assert consumer.parents() == {1: None, 2: 1, 4: 2, 5: 4}
     assert consumer.index[5].token_ids == (9, 10)
