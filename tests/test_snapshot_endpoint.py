@@ -64,6 +64,9 @@ def consumer_of(daemon: Daemon, rank: int = 0, **kwargs: Any) -> SnapshotConsume
     return SnapshotConsumer(endpoints.events, endpoints.snapshot, **kwargs)
 
 
+# The in-process daemon by default; the real one too (uvloop, its own process) under slow.
+HOSTS = ["thread", pytest.param("process", marks=[pytest.mark.daemon_process, pytest.mark.slow])]
+
 # A block as both sides are compared: every field of its one-block store but the hashes.
 View = tuple[Any, ...]
 
@@ -245,9 +248,10 @@ class Driver(threading.Thread):
 # -- a. late join under load ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("wire_format", ["map", "array"])
 def test_late_join_under_stores_releases_and_resets(
-    start_daemon: DaemonFactory, wire_format: str
+    start_daemon: DaemonFactory, wire_format: str, host: str
 ) -> None:
     """The consumer bootstraps while a driver stores, releases and resets without pause, then
     follows; once the driver stopped and the consumer applied the last seq, its index is
@@ -480,7 +484,10 @@ def index_of_chunks(chunks: list[bytes]) -> tuple[dict[BlockHash, View], list[st
     return {h: view_of_block(b) for h, b in index.blocks.items()}, violations
 
 
-def test_concurrent_snapshot_clients_while_resets_are_issued(start_daemon: DaemonFactory) -> None:
+@pytest.mark.parametrize("host", HOSTS)
+def test_concurrent_snapshot_clients_while_resets_are_issued(
+    start_daemon: DaemonFactory, host: str
+) -> None:
     """Eight clients ask for snapshots without pause while stores and resets go on: every
     reset is answered, and every snapshot reply is consistent: it reaches the last live seq
     its client saw before asking, its chunks are the published state at its seq, and with
