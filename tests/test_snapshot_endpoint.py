@@ -816,3 +816,31 @@ ROUTING_ID_WAIT_MS = 3000
 def snapshot_publisher_id(daemon: Daemon, rank: int = 0) -> bytes:
     with daemon.client() as client:
         return bytes(client.ping().endpoints[rank].publisher_id)
+
+
+def test_late_join_to_a_full_large_cache_under_evictions(start_daemon: DaemonFactory) -> None:
+    """A cache of 16k blocks, full, while a driver keeps storing (each store evicts): the
+    consumer's snapshot takes many loop turns to build, blocks are removed meanwhile, and the
+    index still ends exactly as published."""
+    blocks = 16384
+    daemon = start_daemon(events=snapshot_events(), cache={"num_blocks": blocks})
+    with daemon.client(timeout=30) as client:
+        for _ in range(blocks // 64):
+            store_released(client, unique_prompt(64))
+    driver = Driver(daemon, reset_every=1_000_000)
+    driver.start()
+    try:
+        wait_for(lambda: driver.ops >= 10 or driver.error, what="the driver under way")
+        with consumer_of(daemon) as consumer:
+            consumer.run_until(lambda: consumer.ready, timeout_s=30, what="the bootstrap")
+            assert consumer.counters.last_snapshot_chunks > 1
+            applied = consumer.counters.applied_batches
+            consumer.run_until(
+                lambda: consumer.counters.applied_batches > applied + 20, what="following"
+            )
+            driver.stop()
+            run = assert_follows(consumer, daemon)
+            assert run.removed > 0
+            assert (consumer.counters.bootstraps, dict(consumer.counters.resyncs)) == (1, {})
+    finally:
+        driver.stop()
