@@ -340,6 +340,9 @@ def test_an_idle_rank_heartbeats_even_with_heartbeat_ms_off(start_daemon: Daemon
 def test_a_restart_changes_the_publisher_id_and_the_consumer_rebootstraps(
     start_daemon: DaemonFactory, how: signal.Signals
 ) -> None:
+    """kill -9 or SIGTERM and a new start on the same endpoints: the new run has another
+    publisher_id; the consumer, reading only, drops the old index, bootstraps on the new run
+    and ends with exactly its state (none of the old run's blocks)."""
     daemon = start_daemon(events=snapshot_events())
     with daemon.client() as client:
         for _ in range(5):
@@ -373,6 +376,8 @@ def test_a_restart_changes_the_publisher_id_and_the_consumer_rebootstraps(
 
 
 def test_a_snapshot_bigger_than_one_chunk(start_daemon: DaemonFactory) -> None:
+    """4000 blocks: the reply has several chunk frames, each a whole batch, and the consumer
+    rebuilds them all in order."""
     daemon = start_daemon(events=snapshot_events(), cache={"num_blocks": 8192})
     with daemon.client() as client:
         for _ in range(40):
