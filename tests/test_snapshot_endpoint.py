@@ -767,13 +767,6 @@ def test_an_empty_cache_is_a_reply_without_chunks(start_daemon: DaemonFactory) -
 # -- seqs past the signed range --------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # the bootstrap's deadline
-    reason="daemon defect: a rank whose seq passed 2^63 - 1 (seq_origin 'continue' near the "
-    "end of the unsigned seq space) raises OverflowError packing the reply's signed seq: "
-    "every snapshot request goes unanswered",
-)
 def test_a_rank_whose_seqs_passed_the_signed_range_still_serves_snapshots(
     start_daemon: DaemonFactory,
 ) -> None:
@@ -789,13 +782,6 @@ def test_a_rank_whose_seqs_passed_the_signed_range_still_serves_snapshots(
         consumer.run_until(lambda: consumer.ready, timeout_s=3.0, what="the bootstrap")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="daemon defect: the snapshot ROUTER's MAXMSGSIZE (64 bytes) also bounds the ZMTP "
-    "handshake's READY command, so a REQ whose routing id is over 26 bytes is disconnected "
-    "before its request is read and is never answered",
-)
 def test_a_req_with_a_long_routing_id_is_served(start_daemon: DaemonFactory) -> None:
     """A REQ sending one frame b"snapshot" is a proper request whatever routing id it set
     (ZeroMQ allows up to 255 bytes)."""

@@ -18,7 +18,8 @@ import zmq
 from kvpubd.daemon.history import History
 from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.transports import zmq_snapshot
-from kvpubd.daemon.transports.zmq_snapshot import UNAVAILABLE, SnapshotEndpoint
+from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint
+from kvpubd.protocol.snapshot_wire import UNAVAILABLE
 
 PUBLISHER_ID = bytes(range(16))
 DEADLINE_S = 10.0
@@ -215,3 +216,16 @@ async def test_a_message_of_thousands_of_frames_is_dropped_a_slice_per_turn(rig:
     rig.endpoint.start()
     rig.builds.jobs[0].result.set_result(snapshot_at(0))
     assert seq_of(await reply_of(sock)) == 0
+
+
+async def test_a_req_that_correlates_its_requests_gets_its_reply(rig: Rig) -> None:
+    """REQ_CORRELATE puts a request id before the empty frame, and a REQ behind a proxy has
+    the proxy's ids there: the envelope comes back as it came, as ROUTERs answer REQs."""
+    sock = rig.client()
+    sock.setsockopt(zmq.REQ_CORRELATE, 1)
+    sock.setsockopt(zmq.REQ_RELAXED, 1)
+    sock.send(b"snapshot")
+    await until(lambda: rig.builds.jobs, "a build")
+    rig.builds.jobs[0].result.set_result(snapshot_at(0))
+    reply = await reply_of(sock)
+    assert (seq_of(reply), reply[1]) == (0, PUBLISHER_ID)

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpubd.client.mirror import Mirror, MirrorError
-from kvpubd.client.snapshot_wire import (
+from kvpubd.client.tracker import Callbacks, Counters, Received, SubscriberError
+from kvpubd.protocol.snapshot_wire import (
     NOTHING_PUBLISHED,
     LiveMessage,
     NoPublisherId,
@@ -39,7 +40,6 @@ from kvpubd.client.snapshot_wire import (
     parse_live,
     parse_reply,
 )
-from kvpubd.client.tracker import Callbacks, Counters, Received, SubscriberError
 from kvpubd.protocol.wire import decode_batch
 
 BUFFER_BYTES = 64 << 20

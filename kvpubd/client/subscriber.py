@@ -31,7 +31,6 @@ import zmq.asyncio
 from kvpubd.client.bootstrap import FetchSnapshot, SnapshotTracker
 from kvpubd.client.control import AsyncControlClient, ControlClient
 from kvpubd.client.mirror import Mirror
-from kvpubd.client.snapshot_wire import SNAPSHOT_REQUEST
 from kvpubd.client.tracker import (
     Callbacks,
     Counters,
@@ -45,6 +44,7 @@ from kvpubd.client.tracker import (
     SubscriberError,
 )
 from kvpubd.protocol.endpoints import check_endpoint, rank_endpoint
+from kvpubd.protocol.snapshot_wire import SNAPSHOT_REQUEST
 from kvpubd.protocol.wire import END_SEQ, pack_seq, unpack_seq
 
 __all__ = [

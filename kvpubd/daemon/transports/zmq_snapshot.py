@@ -31,23 +31,28 @@ import zmq
 from kvpubd.daemon.history import History
 from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.zmq_loop import REPLAY_AFFINITY, listener, readable, reader_fd
+from kvpubd.protocol.snapshot_wire import (
+    NOTHING_PUBLISHED,
+    SNAPSHOT_REQUEST,
+    UNAVAILABLE,
+    pack_signed_seq,
+)
 from kvpubd.protocol.wire import MAX_SIGNED_SEQ
 
 log = logging.getLogger(__name__)
 
-REQUEST = b"snapshot"
-NOTHING_PUBLISHED = -1
-UNAVAILABLE = -2
 # Per frame: the request is 8 bytes, but ZeroMQ's handshake (READY, with a routing id of up
 # to 255 bytes) is held to it too.
 MAX_MESSAGE_BYTES = 512
-REQUEST_FRAMES = 3  # [identity, b"", b"snapshot"] as the ROUTER reads a REQ's request
+# [identity, b"", b"snapshot"] as the ROUTER reads a REQ's request; the frames between the
+# identity and the empty one (a REQ's correlation id, proxies' identities) come back as they
+# came, as REQ/ROUTER envelopes do. Longer messages are not requests.
+MAX_REQUEST_FRAMES = 8
 ACCEPT_FRAMES = 256  # frames read per loop turn (a message of thousands is discarded in slices)
 MAX_WAITING = 1024  # requests waiting for a snapshot; more are ignored (the client retries)
 PEER_HWM = 2  # replies ZeroMQ queues for one peer; a reply beyond that is dropped
 PINNED_BYTES = 1 << 30  # older snapshots kept alive by replies still in ZeroMQ's hands
 SEND_SLICE_S = 0.0005  # reply frames sent per loop turn
-CHUNKS_FROM = 4  # a reply's frames: identity, b"", seq, publisher id, then the chunks
 _MORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 
@@ -60,13 +65,10 @@ class SnapshotJobLike(Protocol):
 Snapshots = Callable[[], SnapshotJobLike]  # the rank's current (shared) snapshot job
 
 
-def pack_signed_seq(seq: int) -> bytes:
-    return seq.to_bytes(8, "big", signed=True)
-
-
 @dataclass(slots=True, eq=False)
 class _Reply:
-    frames: list[bytes | memoryview]  # the peer's identity first
+    frames: list[bytes | memoryview]  # the request's envelope first (the identity leading)
+    chunks_from: int  # the first frame that is a chunk (sent without a copy)
     snapshot: Snapshot | None  # whose chunks it sends (None: an "unavailable" reply)
     sent: int = 0  # frames sent so far (the rest go out on later turns)
 
@@ -87,7 +89,8 @@ class SnapshotEndpoint:
         self.requests = 0  # well-formed requests received
         self.unavailable = 0  # answered -2
         self.ignored = 0  # malformed, or beyond MAX_WAITING
-        self._waiting: list[tuple[bytes, int]] = []  # (identity, last seq when it asked)
+        # (envelope: the request's frames but its last, the last seq published when it asked)
+        self._waiting: list[tuple[tuple[bytes, ...], int]] = []
         self._job: asyncio.Future[Snapshot] | None = None  # the build the waiting wait for
         self._replies: deque[_Reply] = deque()
         self._in_flight: list[tuple[zmq.MessageTracker, Snapshot]] = []
@@ -155,7 +158,7 @@ class SnapshotEndpoint:
             if not readable(sock):
                 return
             frames: list[bytes] = []
-            while len(frames) <= REQUEST_FRAMES:  # one frame more than a request has
+            while len(frames) <= MAX_REQUEST_FRAMES:  # one frame more than a request has
                 frames.append(sock.recv(zmq.NOBLOCK))
                 budget -= 1
                 if not sock.getsockopt(zmq.RCVMORE):
@@ -173,7 +176,12 @@ class SnapshotEndpoint:
         return read
 
     def _take(self, frames: list[bytes]) -> None:
-        if len(frames) != REQUEST_FRAMES or frames[1] != b"" or frames[2] != REQUEST:
+        # An envelope's frames before the empty one are ids, never empty themselves.
+        if (
+            not 3 <= len(frames) <= MAX_REQUEST_FRAMES
+            or frames[-2:] != [b"", SNAPSHOT_REQUEST]
+            or not all(frames[:-2])
+        ):
             self.ignored += 1
             log.debug("rank %d: ignored a malformed snapshot request", self.history.rank)
             return
@@ -181,7 +189,7 @@ class SnapshotEndpoint:
             self.ignored += 1
             return
         self.requests += 1
-        self._waiting.append((frames[0], self.history.last_seq))
+        self._waiting.append((tuple(frames[:-1]), self.history.last_seq))
 
     def _dispatch(self) -> None:
         """Answer the waiting requests that the current snapshot reaches; start (or wait
@@ -205,36 +213,31 @@ class SnapshotEndpoint:
     def _answer(self, job: asyncio.Future[Snapshot]) -> None:
         if job.cancelled() or job.exception() is not None:
             waiting, self._waiting = self._waiting, []
-            for identity, _ in waiting:
-                self._queue_unavailable(identity)
+            for envelope, _ in waiting:
+                self._queue_unavailable(envelope)
             return
         snapshot = job.result()
-        answered = [identity for identity, seen in self._waiting if seen <= snapshot.seq]
+        answered = [envelope for envelope, seen in self._waiting if seen <= snapshot.seq]
         self._waiting = [w for w in self._waiting if w[1] > snapshot.seq]
-        if not answered:
-            return
-        if not self._may_pin(snapshot):
-            for identity in answered:
-                self._queue_unavailable(identity)
-            return
-        if snapshot.seq > MAX_SIGNED_SEQ:  # (a run that serves snapshots never gets there)
-            for identity in answered:
-                self._queue_unavailable(identity)
+        # (A run that serves snapshots never numbers past MAX_SIGNED_SEQ.)
+        if not answered or snapshot.seq > MAX_SIGNED_SEQ or not self._may_pin(snapshot):
+            for envelope in answered:
+                self._queue_unavailable(envelope)
             return
         seq = snapshot.seq if snapshot.seq >= self.history.first_seq else NOTHING_PUBLISHED
-        head = (b"", pack_signed_seq(seq), self.publisher_id)
-        for identity in answered:
-            self._replies.append(_Reply([identity, *head, *snapshot.chunks], snapshot))
+        head = (pack_signed_seq(seq), self.publisher_id)
+        for envelope in answered:
+            frames: list[bytes | memoryview] = [*envelope, *head, *snapshot.chunks]
+            self._replies.append(_Reply(frames, len(envelope) + len(head), snapshot))
 
-    def _queue_unavailable(self, identity: bytes) -> None:
+    def _queue_unavailable(self, envelope: tuple[bytes, ...]) -> None:
         self.unavailable += 1
         frames: list[bytes | memoryview] = [
-            identity,
-            b"",
+            *envelope,
             pack_signed_seq(UNAVAILABLE),
             self.publisher_id,
         ]
-        self._replies.append(_Reply(frames, None))
+        self._replies.append(_Reply(frames, len(frames), None))
 
     def _may_pin(self, snapshot: Snapshot) -> bool:
         """Whether replies of ``snapshot`` may go out: the snapshots that replies still in
@@ -261,8 +264,9 @@ class SnapshotEndpoint:
                         return
                     index = reply.sent
                     if index < last:
-                        sock.send(frames[index], _MORE | _NOBLOCK, copy=index < CHUNKS_FROM)
-                    elif reply.snapshot is not None and index >= CHUNKS_FROM:
+                        copy = index < reply.chunks_from
+                        sock.send(frames[index], _MORE | _NOBLOCK, copy=copy)
+                    elif reply.snapshot is not None and index >= reply.chunks_from:
                         tracker = sock.send(frames[index], _NOBLOCK, copy=False, track=True)
                         self._in_flight.append((tracker, reply.snapshot))
                     else:

@@ -1,4 +1,5 @@
-"""The snapshot protocol's frames as a consumer reads them, without any I/O.
+"""The snapshot protocol's frames (vLLM's), declared once for the daemon that serves it and the
+consumers that read it, without any I/O.
 
 Live message: ``[topic, seq, payload]``, the payload ``[ts, events, data_parallel_rank,
 publisher_id]`` (16 bytes of publisher_id: one publisher lifetime). Snapshot request: one frame
@@ -18,6 +19,11 @@ from kvpubd.protocol.wire import END_SEQ, PUBLISHER_ID_BYTES, unpack_seq
 SNAPSHOT_REQUEST = b"snapshot"
 NOTHING_PUBLISHED = -1  # reply seq: an empty index, no live seq covered yet
 UNAVAILABLE = -2  # reply seq: no snapshot right now (and no chunks): retry later
+
+
+def pack_signed_seq(seq: int) -> bytes:
+    """A reply's seq frame: signed 64-bit big-endian."""
+    return seq.to_bytes(8, "big", signed=True)
 
 
 class _Envelope(msgspec.Struct, array_like=True, gc=False):
