@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -400,15 +400,31 @@ def subscribe(
             show_default="off",
         ),
     ] = None,
+    snapshot_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--snapshot",
+            help="The daemon's snapshot endpoint (events.snapshot_endpoint), given as "
+            "--endpoint is: each rank bootstraps from a snapshot and follows from there, "
+            "bootstrapping again on a gap or a restart (instead of --replay and --control).",
+            show_default="off",
+        ),
+    ] = None,
     curve_key: CurveKeyOption = None,
     server_key: ServerKeyOption = None,
 ) -> None:
     """Print every published event, one per line.
 
-    Gaps are repaired through replay (or the snapshot, with --control) and reported on stderr
-    with resyncs, restarts and losses. Started before the daemon, it waits for it."""
+    Gaps are repaired through replay (or the snapshot, with --control; or a snapshot
+    bootstrap, with --snapshot) and reported on stderr with resyncs, restarts and losses.
+    Started before the daemon, it waits for it."""
     # Either the configured base or a rank's own endpoint as `ping` prints it.
     endpoint = base_endpoint(_endpoint("--endpoint", endpoint))
+    if snapshot_endpoint:
+        if control:
+            raise fail("--snapshot replaces --control: pass one of them", USAGE)
+        snapshot_endpoint = base_endpoint(_endpoint("--snapshot", snapshot_endpoint))
+        replay_endpoint = ""  # a snapshot bootstrap repairs, not replay
     if replay_endpoint:
         replay_endpoint = base_endpoint(_endpoint("--replay", replay_endpoint))
     if not 1 <= ranks <= MAX_RANKS:
@@ -421,7 +437,17 @@ def subscribe(
     client = _client(control, timeout, curve_key, server_key) if control else None
     followed = [rank] if rank is not None else list(range(ranks))
     try:
-        _print_events(endpoint, replay_endpoint, followed, topic, as_json, count, timeout, client)
+        _print_events(
+            endpoint,
+            replay_endpoint,
+            followed,
+            topic,
+            as_json,
+            count,
+            timeout,
+            client,
+            snapshot_endpoint or None,
+        )
     except BrokenPipeError:
         # The reader went away (`kvpubd subscribe | head -3`): that is how this ends.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -440,6 +466,7 @@ def _print_events(
     count: int | None,
     timeout: float,
     control: ControlClient | None,
+    snapshot_endpoint: str | None = None,
 ) -> None:
     from kvpubd.client import ControlError, ControlTimeout, Subscriber, SubscriberError
 
@@ -447,22 +474,31 @@ def _print_events(
         typer.echo(f"# {message}", err=True)
 
     repair = "replay" if replay_endpoint else "the snapshot"
+    # A snapshot bootstrap replaces replay and control; catching a dropped tail is its
+    # heartbeat's job, not an idle replay's.
+    repair_options: dict[str, Any] = (
+        {"snapshot_endpoint": snapshot_endpoint, "snapshot_timeout": timeout}
+        if snapshot_endpoint
+        else {"control": control, "replay_timeout": timeout, "idle_check": 1.0}
+    )
     seen = 0
     try:
         with Subscriber(
             endpoint,
             replay_endpoint or None,
-            control=control,
             ranks=ranks,
             topic=topic,
-            replay_timeout=timeout,
-            idle_check=1.0,  # finds a tail the PUB dropped while nothing else is published
+            # idle_check (replay): finds a tail the PUB dropped while nothing else is published
+            **repair_options,
             mirror=False,  # printing needs no copy of the cache
             on_gap=lambda rank, first, seq: note(
                 f"gap on rank {rank}: seqs {first}..{seq - 1} missing, repairing through {repair}"
             ),
             on_resync=lambda rank, seq: note(
-                f"rank {rank}: history gone; mirror rebuilt (snapshot or reset marker) at seq {seq}"
+                f"rank {rank}: bootstrapped from its snapshot at seq {seq}; following from there"
+                if snapshot_endpoint
+                else f"rank {rank}: history gone; mirror rebuilt (snapshot or reset marker) at "
+                f"seq {seq}"
             ),
             on_restart=lambda rank, reason: note(
                 f"rank {rank}: daemon restart ({reason}); following the new run from its "

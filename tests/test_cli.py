@@ -90,7 +90,15 @@ HELP: dict[str, list[str]] = {
     "reset": ["--control", "--rank", "--force", "--timeout"],
     "stats": ["--control", "--timeout"],
     "ping": ["--control", "--timeout"],
-    "subscribe": ["--endpoint", "--replay", "--json", "--count", "--ranks", "--topic"],
+    "subscribe": [
+        "--endpoint",
+        "--replay",
+        "--json",
+        "--count",
+        "--ranks",
+        "--topic",
+        "--snapshot",
+    ],
 }
 
 
@@ -270,6 +278,46 @@ def test_subscribe_sees_live_stores(daemon: Daemon) -> None:
     # The second prompt's run extends the first prompt's blocks.
     assert lines[1]["parent_block_hash"] == chain_hashes(prompts[0])[-1]
     assert lines[1]["block_hashes"] == chain_hashes(prompts[1])[2:]
+
+
+def test_subscribe_bootstraps_from_the_snapshot_endpoint(start_daemon: DaemonFactory) -> None:
+    """`subscribe --snapshot` bootstraps each rank from its snapshot (said on stderr), so what
+    was stored before it started is not printed, and then prints what is stored live."""
+    daemon = start_daemon(events={"snapshot_endpoint": True})
+    with daemon.client() as client:
+        client.store("before", [5] * (2 * BLOCK_SIZE))
+    proc = subprocess.Popen(
+        [
+            *[sys.executable, "-m", "kvpubd", "subscribe", "--json", "--count", "1"],
+            *["--endpoint", daemon.events_endpoint, "--snapshot", daemon.snapshot_endpoint],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    try:
+        assert proc.stderr is not None
+        note = proc.stderr.readline()
+        assert note.startswith("# rank 0: bootstrapped from its snapshot at seq "), note
+        live = [6] * BLOCK_SIZE
+        with daemon.client() as client:
+            client.store("live", live)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    (line,) = json_lines(out)
+    assert (line["type"], line["block_hashes"]) == ("BlockStored", chain_hashes(live))
+
+
+def test_subscribe_refuses_snapshot_with_control(daemon: Daemon) -> None:
+    result = kvpubd(
+        "subscribe", "--snapshot", "tcp://127.0.0.1:5559", "--control", daemon.control_endpoint
+    )
+    assert result.returncode == 2 and "--snapshot replaces --control" in result.stderr
 
 
 def test_cli_without_daemon_fails_clearly(dead_endpoint: str) -> None:
