@@ -178,3 +178,27 @@ def test_bench_soak_runs_its_loads_without_a_divergence() -> None:
     assert reports["small-stores"]["ops"] > 0 and reports["snapshots"]["ops"] > 0
     assert reports["vanishing-clients"]["rounds"] > 0
     assert result["checkpoints"] >= 1 and result["daemon"]["alive_at_end"]
+
+
+def test_bench_reset_under_snapshot_endpoint_clients() -> None:
+    """The snapshot-endpoint load: several REQ clients of the load rank, each in its own
+    process, whose replies hold every block that rank caches."""
+    clients = 2
+    result = bench(
+        "reset", "--under", "snapshot-endpoint", "--sizes", "0,64", "--resets", "3",
+        "--idle-ms", "1", "--reset-timeout", "10", "--snapshot-blocks", "512",
+        "--snapshot-clients", str(clients),
+    )  # fmt: skip
+    assert result["under"] == "snapshot-endpoint"
+    for phases in result["sizes"].values():
+        for row in phases.values():
+            assert "error" not in row, row["error"]
+            assert row["n"] == 3 and row["timeouts"] == 0
+    reports = result["load"]
+    assert [report["load"] for report in reports] == ["snapshot-endpoint"] * clients
+    summary = result["snapshot_clients"]
+    assert summary["clients"] == clients and summary["requests"] > 0
+    assert summary["wrong_events"] == summary["malformed"] == 0
+    # 512 one-block stores in the replies: far more than a reply of an empty rank.
+    assert summary["reply_bytes"] > 512 * 16
+    assert result["daemon"]["alive_at_end"]
