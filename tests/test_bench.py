@@ -180,6 +180,33 @@ def test_bench_soak_runs_its_loads_without_a_divergence() -> None:
     assert result["checkpoints"] >= 1 and result["daemon"]["alive_at_end"]
 
 
+def test_bench_snapshot_rebuilds_every_cached_block_for_every_client() -> None:
+    """Cold and warm requests, then clients at once: every reply's events are the blocks
+    cached (the bench exits 1 otherwise), and each size reports its sizes and memory."""
+    rounds, clients, requests = 2, 2, 2
+    result = bench("snapshot", "--sizes", "0,300", "--rounds", str(rounds),
+                   "--clients", str(clients), "--requests", str(requests))  # fmt: skip
+    assert (result["clients"], result["requests_per_client"]) == (clients, requests)
+    assert set(result["sizes"]) == {"0", "300"}
+    for size, row in result["sizes"].items():
+        assert row["problems"] == []
+        # Each round after the first publishes one new block first (a change to build).
+        assert row["events"] == row["blocks"] == int(size) + rounds - 1
+        assert row["chunks"] >= 1 and row["reply_bytes"] > 0
+        for phase in ("cold", "warm"):
+            assert row[phase]["n"] == rounds
+            assert 0 < row[phase]["p50_ms"] <= row[phase]["p99_ms"] <= row[phase]["max_ms"]
+        concurrent = row["concurrent"]
+        assert concurrent["requests"] + concurrent["unavailable"] == clients * requests
+        assert concurrent["wrong_events"] == concurrent["malformed"] == 0
+        assert concurrent["reply_bytes"] == row["reply_bytes"]
+        rss = row["rss_mib"]
+        assert 0 < rss["before"] <= rss["peak"] <= rss["hwm"]
+        assert row["daemon"]["alive"]
+        # Every request reached the daemon: the single ones and the clients'.
+        assert row["daemon"]["snapshot_requests"] == 2 * rounds + clients * requests
+
+
 def test_bench_reset_under_snapshot_endpoint_clients() -> None:
     """The snapshot-endpoint load: several REQ clients of the load rank, each in its own
     process, whose replies hold every block that rank caches."""
