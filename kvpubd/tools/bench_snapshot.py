@@ -121,6 +121,7 @@ def measure_size(
             if size:
                 probe.populate(size, 0)
             out["fill_s"] = round(time.perf_counter() - started, 2)
+            filled = memory_mib(pid).get("rss")  # before any snapshot was built
 
             task = progress.add_task(f"cold and warm: {size:>9,} blocks", total=rounds)
             cold: list[float] = []
@@ -175,7 +176,7 @@ def measure_size(
                 snapshot_clients=clients,
                 requests_per_client=requests,
             )
-            rss: dict[str, Any] = {}
+            rss: dict[str, Any] = {"filled": filled}
             with Load(spec) as load:
                 if not load.wait_ready(60):
                     checks.problems.append(f"{size:,} blocks: the clients did not start in 60 s")
@@ -224,11 +225,11 @@ def snapshot_tables(result: dict[str, Any]) -> list[Table]:
     many = Table(
         title=f"{result['clients']} clients x {result['requests_per_client']} requests at once",
         caption="-2: answered unavailable; lost: no reply within --timeout. RSS of the "
-        "daemon in MiB: before the clients, its peak (sampled every 20 ms) while they ask, "
-        "after their last reply",
+        "daemon in MiB: once filled (no snapshot built yet), before the clients, its peak "
+        "(sampled every 20 ms) while they ask, after their last reply",
     )
     for column in ("blocks", "n", "p50 ms", "p99 ms", "max ms", "-2", "lost",
-                   "RSS before", "RSS peak", "RSS after"):  # fmt: skip
+                   "RSS filled", "RSS before", "RSS peak", "RSS after"):  # fmt: skip
         many.add_column(column, justify="right")
     for size, row in result["sizes"].items():
         mib = row["reply_bytes"] / (1 << 20) if row["reply_bytes"] is not None else None
@@ -251,6 +252,7 @@ def snapshot_tables(result: dict[str, Any]) -> list[Table]:
             str(concurrent["max_ms"]),
             str(concurrent["unavailable"]),
             str(concurrent["timeouts"]),
+            str(rss.get("filled")),
             str(rss.get("before")),
             str(rss.get("peak")),
             str(rss.get("after")),
