@@ -3,7 +3,7 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
 # The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
 # .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
 set -uo pipefail
@@ -23,6 +23,8 @@ case "${1:-}" in
   reset) $K bench reset --sizes 0,10000,100000,1000000 --resets 200 --json > "$OUT/reset-cpu.json"
          $K bench reset --sizes 0,1000000 --resets 200 --device cuda:0 --json > "$OUT/reset-cuda.json" ;;
   under) $K bench reset --under "$2" --sizes 1000000 --resets "${3:-100}" --json > "$OUT/under-$2.json" ;;
+  # snapshot [SIZES]: the snapshot endpoint, cold, warm and 8 clients at once (100k and 1M)
+  snapshot) $K bench snapshot --sizes "${2:-100000,1000000}" --json > "$OUT/snapshot.json" ;;
   # throughput [ALGORITHM]: cache.hash_algorithm, sha256 (default) or xxhash
   throughput) $K bench throughput --hash-algorithm "${2:-sha256}" --json \
                   > "$OUT/throughput-${2:-sha256}.json" ;;
@@ -39,6 +41,6 @@ case "${1:-}" in
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
                      --hash-algorithm "${2:-sha256}" --json > "$OUT/ranks-apart-$r-${2:-sha256}.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
      exit 2 ;;
 esac

@@ -178,3 +178,54 @@ def test_bench_soak_runs_its_loads_without_a_divergence() -> None:
     assert reports["small-stores"]["ops"] > 0 and reports["snapshots"]["ops"] > 0
     assert reports["vanishing-clients"]["rounds"] > 0
     assert result["checkpoints"] >= 1 and result["daemon"]["alive_at_end"]
+
+
+def test_bench_snapshot_rebuilds_every_cached_block_for_every_client() -> None:
+    """Cold and warm requests, then clients at once: every reply's events are the blocks
+    cached (the bench exits 1 otherwise), and each size reports its sizes and memory."""
+    rounds, clients, requests = 2, 2, 2
+    result = bench("snapshot", "--sizes", "0,300", "--rounds", str(rounds),
+                   "--clients", str(clients), "--requests", str(requests))  # fmt: skip
+    assert (result["clients"], result["requests_per_client"]) == (clients, requests)
+    assert set(result["sizes"]) == {"0", "300"}
+    for size, row in result["sizes"].items():
+        assert row["problems"] == []
+        # Each round after the first publishes one new block first (a change to build).
+        assert row["events"] == row["blocks"] == int(size) + rounds - 1
+        assert row["chunks"] >= 1 and row["reply_bytes"] > 0
+        for phase in ("cold", "warm"):
+            assert row[phase]["n"] == rounds
+            assert 0 < row[phase]["p50_ms"] <= row[phase]["p99_ms"] <= row[phase]["max_ms"]
+        concurrent = row["concurrent"]
+        assert concurrent["requests"] + concurrent["unavailable"] == clients * requests
+        assert concurrent["wrong_events"] == concurrent["malformed"] == 0
+        assert concurrent["reply_bytes"] == row["reply_bytes"]
+        rss = row["rss_mib"]
+        assert rss["filled"] > 0 and 0 < rss["before"] <= rss["peak"] <= rss["hwm"]
+        assert row["daemon"]["alive"]
+        # Every request reached the daemon: the single ones and the clients'.
+        assert row["daemon"]["snapshot_requests"] == 2 * rounds + clients * requests
+
+
+def test_bench_reset_under_snapshot_endpoint_clients() -> None:
+    """The snapshot-endpoint load: several REQ clients of the load rank, each in its own
+    process, whose replies hold every block that rank caches."""
+    clients = 2
+    result = bench(
+        "reset", "--under", "snapshot-endpoint", "--sizes", "0,64", "--resets", "3",
+        "--idle-ms", "1", "--reset-timeout", "10", "--snapshot-blocks", "512",
+        "--snapshot-clients", str(clients),
+    )  # fmt: skip
+    assert result["under"] == "snapshot-endpoint"
+    for phases in result["sizes"].values():
+        for row in phases.values():
+            assert "error" not in row, row["error"]
+            assert row["n"] == 3 and row["timeouts"] == 0
+    reports = result["load"]
+    assert [report["load"] for report in reports] == ["snapshot-endpoint"] * clients
+    summary = result["snapshot_clients"]
+    assert summary["clients"] == clients and summary["requests"] > 0
+    assert summary["wrong_events"] == summary["malformed"] == 0
+    # 512 one-block stores in the replies: far more than a reply of an empty rank.
+    assert summary["reply_bytes"] > 512 * 16
+    assert result["daemon"]["alive_at_end"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import queue
 import resource
 import selectors
 import socket
@@ -26,7 +27,7 @@ import zmq
 
 from kvpubd.interrupts import ctrl_c_kept_from_children
 
-LOADS = ("snapshot", "replay-flood", "big-store", "idle-conns")
+LOADS = ("snapshot", "snapshot-endpoint", "replay-flood", "big-store", "idle-conns")
 # The rank a load works on; the bench resets rank 0 alone, so a load's own cache survives.
 LOAD_RANK = 1
 POLL_MS = 100  # how often a blocked load process looks at stop and go
@@ -65,6 +66,11 @@ class LoadSpec:
     store_tokens: int = 1_000_000
     flood_processes: int = 4
     idle_connections: int = 2000
+    # snapshot-endpoint: the load rank's snapshot endpoint, its clients, and how many
+    # requests each makes before it ends (0: until stopped).
+    snapshot_endpoint: str = ""
+    snapshot_clients: int = 8
+    requests_per_client: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -172,6 +178,74 @@ def snapshot_load(control: LoadControl, spec: LoadSpec) -> None:
         lambda n: [{"op": "snapshot", "rank": LOAD_RANK}],
         "snapshot",
     )
+
+
+def snapshot_endpoint_load(control: LoadControl, spec: LoadSpec) -> None:
+    """One REQ client of the snapshot endpoint (vLLM's snapshot protocol) asking again and
+    again, each request timed to the whole reply. A reply whose events (counted from its
+    batch headers) are not the ``snapshot_blocks`` the rank holds is counted as wrong;
+    "unavailable" (-2) replies and requests unanswered within a minute are counted too."""
+    from kvpubd.tools.snapshot_client import SnapshotMismatch, SnapshotRequester, counted_events
+
+    ctx = zmq.Context()
+    requester = SnapshotRequester(ctx, spec.snapshot_endpoint)
+    latencies: list[float] = []
+    counts = {"timeouts": 0, "unavailable": 0, "wrong_events": 0, "malformed": 0}
+    reply_bytes = 0
+    control.set_ready()
+    try:
+        for n in rounds(control):
+            if spec.requests_per_client and n >= spec.requests_per_client:
+                return
+            with control.ops.get_lock():
+                control.ops.value += 1
+            try:
+                reply = requester.request(60.0, control.stop.is_set)
+            except SnapshotMismatch:
+                counts["malformed"] += 1
+                continue
+            if control.stop.is_set():
+                return
+            if reply is None:
+                counts["timeouts"] += 1
+            elif reply.unavailable:
+                counts["unavailable"] += 1
+            else:
+                latencies.append(reply.seconds)
+                reply_bytes = max(reply_bytes, reply.nbytes)
+                try:
+                    events = counted_events(reply.chunks)
+                except SnapshotMismatch:
+                    events = -1
+                counts["wrong_events"] += events != spec.snapshot_blocks
+    finally:
+        requester.close()
+        ctx.term()
+        control.results.put(
+            {
+                "load": "snapshot-endpoint",
+                "ops": len(latencies),
+                **counts,
+                "reply_bytes": reply_bytes,
+                "latencies_s": latencies,
+            }
+        )
+
+
+def client_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The snapshot-endpoint clients' reports as one: every request's latency pooled into
+    percentiles, the failures summed. The reports lose their raw latencies."""
+    latencies = [s for report in reports for s in report.pop("latencies_s", [])]
+    keys = ("timeouts", "unavailable", "wrong_events", "malformed")
+    return {
+        "clients": len(reports),
+        "requests": len(latencies),
+        "p50_ms": _ms(latencies, 50),
+        "p99_ms": _ms(latencies, 99),
+        "max_ms": round(max(latencies) * 1000, 1) if latencies else None,
+        **{key: sum(int(report.get(key, 0)) for report in reports) for key in keys},
+        "reply_bytes": max((int(report.get("reply_bytes", 0)) for report in reports), default=0),
+    }
 
 
 def big_store_load(control: LoadControl, spec: LoadSpec) -> None:
@@ -327,6 +401,7 @@ class Load:
         self.control = LoadControl.shared(ctx)
         target, copies = {
             "snapshot": (snapshot_load, 1),
+            "snapshot-endpoint": (snapshot_endpoint_load, spec.snapshot_clients),
             "big-store": (big_store_load, 1),
             "replay-flood": (replay_flood_load, spec.flood_processes),
             "idle-conns": (idle_conns_load, 1),
@@ -357,6 +432,23 @@ class Load:
             time.sleep(0.01)
         return True
 
+    def collect(self, timeout: float) -> bool:
+        """Wait until every process has put its report (each puts one as it ends) and keep
+        them in ``results``; whether all came within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while len(self.results) < len(self.processes):
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                self.results.append(self.control.results.get(timeout=min(left, 1.0)))
+            except queue.Empty:
+                given_up = time.monotonic() > deadline or not any(
+                    p.is_alive() for p in self.processes
+                )
+                # One that died reports nothing; the others' reports may still be queued.
+                if given_up and self.control.results.empty():
+                    return False
+        return True
+
     def wait_active(self, after: int, timeout: float) -> bool:
         """Wait until ``ops`` passes ``after``: an operation of this load has started. Idle
         connections are no operations: they are active once most are held."""
@@ -381,12 +473,7 @@ class Load:
         self.control.stop.set()
         self.control.go.set()
         deadline = time.monotonic() + 10
-        for _ in self.processes:
-            try:
-                left = max(0.1, deadline - time.monotonic())
-                self.results.append(self.control.results.get(timeout=left))
-            except Exception:  # a process that died or hangs reports nothing
-                break
+        self.collect(10)  # a process that died or hangs reports nothing
         for process in self.processes:
             process.join(max(0.1, deadline - time.monotonic()))
             if process.is_alive():

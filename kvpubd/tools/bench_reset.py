@@ -64,7 +64,7 @@ def measure_resets(
 MIN_RESETS = 100
 
 
-def _cache_sizes(text: str) -> list[int]:
+def cache_sizes(text: str) -> list[int]:
     """``--sizes``: comma-separated block counts >= 0 (at least one)."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not parts or not all(part.isdigit() for part in parts):
@@ -115,7 +115,8 @@ def bench_reset(
     under: Annotated[
         str | None,
         typer.Option(
-            help="Also time resets while this load runs in other processes: snapshot, "
+            help="Also time resets while this load runs in other processes: snapshot (the "
+            "control op), snapshot-endpoint (REQ clients of the snapshot protocol), "
             "replay-flood, big-store or idle-conns."
         ),
     ] = None,
@@ -123,8 +124,19 @@ def bench_reset(
         float, typer.Option(help="With --under: a reset slower than this counts as a timeout.")
     ] = 30.0,
     snapshot_blocks: Annotated[
-        int, typer.Option(help="With --under snapshot: published blocks the snapshot returns.")
+        int,
+        typer.Option(
+            help="With --under snapshot or snapshot-endpoint: published blocks the snapshot "
+            "returns."
+        ),
     ] = 200_000,
+    snapshot_clients: Annotated[
+        int,
+        typer.Option(
+            help="With --under snapshot-endpoint: REQ clients, each in its own process, "
+            "asking for snapshots in a loop."
+        ),
+    ] = 8,
     flood_processes: Annotated[
         int, typer.Option(help="With --under replay-flood: flooding processes.")
     ] = 4,
@@ -140,9 +152,10 @@ def bench_reset(
 
         if under not in LOADS:
             raise fail(f"--under: {under!r} is not a load; choose from {', '.join(LOADS)}", USAGE)
-    size_list = _cache_sizes(sizes or ("0,100000" if under else "0,10000,100000,1000000"))
+    size_list = cache_sizes(sizes or ("0,100000" if under else "0,10000,100000,1000000"))
     check_positive("--resets", resets, integer=True)
     check_positive("--reset-timeout", reset_timeout)
+    check_positive("--snapshot-clients", snapshot_clients, integer=True)
     if not 0 <= idle_ms < float("inf"):
         raise fail(f"--idle-ms: {idle_ms} is not a number of milliseconds >= 0", USAGE)
     _check_device(device)
@@ -164,6 +177,7 @@ def bench_reset(
                 snapshot_blocks,
                 flood_processes,
                 idle_connections,
+                snapshot_clients,
             )
         if as_json:
             typer.echo(json.dumps(result))

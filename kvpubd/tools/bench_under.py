@@ -83,16 +83,22 @@ def measure_under(
     snapshot_blocks: int = 200_000,
     flood_processes: int = 4,
     idle_connections: int = 2000,
+    snapshot_clients: int = 8,
 ) -> dict[str, Any]:
     """Reset -> marker at each size on an idle daemon, then on the same daemon while
     ``load_name`` runs in other processes against its rank 1 (or its ports)."""
     from kvpubd.daemon.settings import ControlConfig
-    from kvpubd.tools.bench_load import Load, LoadSpec
+    from kvpubd.tools.bench_load import LOAD_RANK, Load, LoadSpec, client_summary
 
     # The largest store the daemon allows by default (block_size 16).
     limits = ControlConfig()
     store_tokens = min(limits.max_tokens_per_request, limits.max_blocks_per_store * 16)
-    load_blocks = {"snapshot": snapshot_blocks, "big-store": 2 * store_tokens // 16}
+    # The snapshot loads' rank holds snapshot_blocks, so that every snapshot is that large.
+    load_blocks = {
+        "snapshot": snapshot_blocks,
+        "snapshot-endpoint": snapshot_blocks,
+        "big-store": 2 * store_tokens // 16,
+    }
     num_blocks = max([*sizes, load_blocks.get(load_name, 0), 1024]) + 1024
     overrides: dict[str, dict[str, Any]] = {
         "cache": {**TINY_BLOCKS, "num_blocks": num_blocks, "device": device},
@@ -101,13 +107,19 @@ def measure_under(
         "service": {"log_level": "warning"},
     }
     overrides["cache"]["data_parallel_size"] = 2
+    if load_name == "snapshot-endpoint":
+        # Only for this load: the endpoint makes every batch carry a publisher id and an idle
+        # rank heartbeat each second, which the other loads' daemon (and their earlier
+        # numbers) never had. Here the idle phase has them too, so idle and loaded differ
+        # by the clients alone.
+        overrides["events"]["snapshot_endpoint"] = True
     results: dict[str, Any] = {"under": load_name, "sizes": {}}
     daemon = start_with_free_ports(overrides)
     probe = ResetProbe(daemon)
     try:
         probe.wait_connected()
-        if load_name == "snapshot":
-            probe.populate(snapshot_blocks, 0, rank=1)
+        if load_name in ("snapshot", "snapshot-endpoint"):
+            probe.populate(snapshot_blocks, 0, rank=LOAD_RANK)
         # Refilling a large cache before every reset is slow: fewer rounds there.
         rounds = {s: resets if s == 0 else min(resets, max(10, 2_000_000 // s)) for s in sizes}
         for size in sizes:
@@ -132,6 +144,8 @@ def measure_under(
             store_tokens=store_tokens,
             flood_processes=flood_processes,
             idle_connections=idle_connections,
+            snapshot_endpoint=probe.client.ping().endpoints[LOAD_RANK].snapshot,
+            snapshot_clients=snapshot_clients,
         )
         with Load(spec) as load:
             if not load.wait_ready(60):
@@ -148,6 +162,8 @@ def measure_under(
                     label=f"under {load_name}: {size:>9,} blocks",
                 )
         results["load"] = load.results
+        if load_name == "snapshot-endpoint":
+            results["snapshot_clients"] = client_summary(load.results)
     finally:
         with interrupts_ignored():  # a second Ctrl-C must not leave the daemon behind
             probe.close()
@@ -157,10 +173,21 @@ def measure_under(
 
 def under_table(result: dict[str, Any]) -> Table:
     daemon = result["daemon"]
+    caption = (
+        f"daemon alive at the end: {daemon['alive_at_end']}, "
+        f"exit code on SIGTERM: {daemon['exit_code']}"
+    )
+    clients = result.get("snapshot_clients")
+    if clients:
+        caption += (
+            f"\n{clients['clients']} snapshot clients: {clients['requests']} snapshots of "
+            f"{clients['reply_bytes']:,} bytes, p50 {clients['p50_ms']} ms, p99 "
+            f"{clients['p99_ms']} ms; timeouts {clients['timeouts']}, unavailable "
+            f"{clients['unavailable']}, wrong event counts {clients['wrong_events']}"
+        )
     table = Table(
         title=f"reset -> marker received, idle and under {result['under']} (loopback tcp)",
-        caption=f"daemon alive at the end: {daemon['alive_at_end']}, "
-        f"exit code on SIGTERM: {daemon['exit_code']}",
+        caption=caption,
     )
     for column in ("cached blocks", "", "n", "p50 us", "p99 us", "max us", "timeouts"):
         table.add_column(column, justify="right")
