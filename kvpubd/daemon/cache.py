@@ -245,7 +245,8 @@ class RankCache:
         return (old_leases, *old_index)
 
     def block_events(self, block_ids: list[int]) -> list[BlockStored]:
-        """Cached blocks as one-block stores, as a snapshot reports them."""
+        """Cached blocks as one-block stores, as a snapshot reports them; their token ids are
+        views of the cache's rows, valid until the block's slot is reused."""
         size = self.block_size
         medium = self.sink.medium
         index = self.index
@@ -259,7 +260,8 @@ class RankCache:
                 stored_event(
                     hashes=[block_hash],
                     parent_hash=parent_hashes.pop() if parent != ROOT else None,
-                    token_ids=tokens[block_id].tolist(),
+                    # The cache's own row (a view; see snapshot.SnapshotJob._encode).
+                    token_ids=tokens[block_id],
                     block_size=size,
                     medium=medium,
                     keys=keys_of[block_id],

@@ -281,7 +281,10 @@ class RankPipeline:
         return self.cache.block_events(block_ids)
 
     def _removed_block_event(self, block_id: int) -> BlockStored:
-        return self.cache.block_events([block_id])[0]
+        """The block's store, kept past its removal: its tokens copied out of the slot."""
+        event = self.cache.block_events([block_id])[0]
+        event.token_ids = np.array(event.token_ids)  # type: ignore[assignment]
+        return event
 
     def compact(self) -> None:
         """One slice of housekeeping on the published record (the drain loop calls it)."""

@@ -23,10 +23,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgpack
+import msgspec
 import numpy as np
 
 from kvpubd.daemon.published import FrozenView, PublishedRecord
-from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, WireFormat, event_to_wire
+from kvpubd.protocol.wire import (
+    AllBlocksCleared,
+    BatchEncoder,
+    BlockStored,
+    WireFormat,
+    array_header,
+    event_to_wire,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +91,6 @@ class Snapshot:
         )
         tail = packer.pack(rank) + (b"" if publisher_id is None else packer.pack(publisher_id))
         return await assemble([head, *self.bodies, tail])
-
-
-def _chunk(ts_and_header: bytes, count: int, events: bytes, rank_tail: bytes) -> bytes:
-    """One whole batch ``[ts, events, rank]`` around ``count`` encoded events."""
-    header = msgpack.Packer().pack_array_header(count)
-    return b"".join((ts_and_header, header, events, rank_tail))
 
 
 Buffer = memoryview  # a large message, sent without a copy
@@ -163,35 +165,43 @@ class SnapshotJob:
 
     async def _encode(self, view: FrozenView) -> tuple[list[bytes], list[memoryview]] | None:
         source = self._source
-        fmt = self._wire_format
-        packer = msgpack.Packer(use_bin_type=True, autoreset=False)
-        framing = msgpack.Packer(use_bin_type=True)
-        head = framing.pack_array_header(3) + framing.pack(time.time())
-        tail = framing.pack(source.rank)
+        # A slice's events are encoded at its end, in one msgspec call with their NumPy token
+        # rows (views into the cache: encoded before the loop turns, so no slot is reused
+        # meanwhile), as live batches are; the slices' events are joined into chunks.
+        encoder = BatchEncoder(self._wire_format, source.rank)
+        ts = time.time()
+        ts_head = msgspec.msgpack.encode((ts,))  # fixarray(1) + ts: the batch's head but its size
+        head_bytes = len(ts_head) - 1
+        tail = msgspec.msgpack.encode(source.rank)
         chunks: list[bytes] = []
         bodies: list[memoryview] = []
-        count = 0  # events in the chunk being packed
+        pending: list[memoryview] = []  # encoded events waiting for their chunk
+        count = pending_bytes = 0
 
         def close_chunk() -> None:
-            nonlocal count
-            events = packer.bytes()
-            chunk = _chunk(head, count, events, tail)
-            start = len(chunk) - len(tail) - len(events)
+            nonlocal count, pending_bytes
+            head = b"\x93" + ts_head[1:] + array_header(count)
+            chunk = b"".join((head, *pending, tail))
             chunks.append(chunk)
-            bodies.append(memoryview(chunk)[start : len(chunk) - len(tail)])
-            packer.reset()
-            count = 0
+            bodies.append(memoryview(chunk)[len(head) : len(chunk) - len(tail)])
+            pending.clear()
+            count = pending_bytes = 0
 
-        def pack(events: list[BlockStored]) -> None:
-            nonlocal count
-            for event in events:
-                packer.pack(event_to_wire(event, fmt))
+        def encode(events: list[BlockStored]) -> None:
+            nonlocal count, pending_bytes
+            if not events:
+                return
+            batch = encoder.encode(ts, events)  # type: ignore[arg-type]
+            start = 1 + head_bytes + len(array_header(len(events)))
+            pending.append(memoryview(batch)[start : len(batch) - len(tail)])
             count += len(events)
+            pending_bytes += len(batch)
 
         while not view.finished:
             if source.current_record() is not view.record:
                 return None
             deadline = time.perf_counter() + SLICE_S
+            events: list[BlockStored] = []
             while not view.finished and time.perf_counter() < deadline:
                 live: list[int] = []
                 for block_id, saved in view.take(SLICE_ENTRIES):
@@ -199,14 +209,13 @@ class SnapshotJob:
                         live.append(block_id)
                     else:
                         # Removed since the view was taken; events stay in log order.
-                        pack(source.block_events(live))
+                        events += source.block_events(live)
                         live = []
-                        pack([saved])
-                pack(source.block_events(live))
-                with packer.getbuffer() as packed:  # released at once: packing may grow it
-                    full = len(packed) >= CHUNK_BYTES
-                if full:
-                    close_chunk()
+                        events.append(saved)
+                events += source.block_events(live)
+            encode(events)
+            if pending_bytes >= CHUNK_BYTES:
+                close_chunk()
             await asyncio.sleep(0)
         if count:
             close_chunk()

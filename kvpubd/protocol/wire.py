@@ -136,7 +136,7 @@ _U32_ITEM = np.dtype([("marker", "u1"), ("value", ">u4")])
 
 
 @functools.lru_cache(maxsize=1024)
-def _array_header(count: int) -> bytes:
+def array_header(count: int) -> bytes:
     if count < 16:
         return bytes((0x90 | count,))
     if count < 1 << 16:
@@ -174,7 +174,7 @@ class _TokenArrays:
         start = 0
         for array in arrays:
             end = start + len(array) * width
-            raws[id(array)] = msgspec.Raw(_array_header(len(array)) + data[start:end])
+            raws[id(array)] = msgspec.Raw(array_header(len(array)) + data[start:end])
             start = end
         return raws
 
