@@ -4,9 +4,12 @@ times each reset -> marker and a follower process mirrors every rank from the st
 The loads (soak_loads) run in processes of their own: large stores, the same large prompt
 stored again (a prefix-cache hit), pipelined small stores, checksums of the whole pool,
 snapshots, a replay flood, and clients that go away or die holding stores. The prober resets
-rank 0 or every rank (forced) a few times a second and sends SIGHUP now and then. At
-checkpoints the loads hold still and the follower's mirror of each rank must equal the
-daemon's snapshot.
+rank 0 or every rank (forced) a few times a second and sends SIGHUP now and then. Two follower
+processes mirror every rank: one repairs gaps through replay and the control snapshot, the
+other follows vLLM's snapshot protocol (the daemon serves ``events.snapshot_endpoint``),
+bootstrapping from the snapshot endpoint again at every gap under the loads. At checkpoints
+the loads hold still and each follower's mirror of each rank must equal the daemon's
+snapshot.
 
 Reported: reset -> marker p50/p99/max, resets that never published, divergences, whether the
 daemon lived. The exit status is 1 on a divergence, a lost reset or a dead daemon; latency is
@@ -40,19 +43,28 @@ RESET_TIMEOUT_S = 30.0
 CHECKPOINT_EVERY_S = 10.0
 
 
-def _follow(endpoints: dict[str, str], conn: Any) -> None:
-    """The follower process: a Subscriber mirroring every rank (replay and snapshot repair);
-    on "check" it compares each mirror with the daemon's snapshot at the same seq."""
+FOLLOWERS = ("replay", "snapshot")  # how each follower repairs: see _follow
+
+
+def _follow(endpoints: dict[str, str], conn: Any, how: str) -> None:
+    """A follower process: a Subscriber mirroring every rank, repairing through replay and
+    the control snapshot (``how`` "replay") or bootstrapping from the snapshot endpoint
+    ("snapshot"); on "check" it compares each mirror with the daemon's snapshot at the same
+    seq."""
     from kvpubd.client import ControlClient, Subscriber
 
+    repair: dict[str, Any] = (
+        {"snapshot_endpoint": endpoints["snapshot"], "snapshot_timeout": 60}
+        if how == "snapshot"
+        else {"replay_endpoint": endpoints["replay"], "control": endpoints["control"]}
+    )
     with (
         Subscriber(
             endpoints["events"],
-            endpoints["replay"],
-            control=endpoints["control"],
             ranks=RANKS,
             control_timeout=60,
             replay_timeout=30,
+            **repair,
         ) as sub,
         ControlClient(endpoints["control"], timeout=60) as client,
     ):
@@ -61,9 +73,8 @@ def _follow(endpoints: dict[str, str], conn: Any) -> None:
                 if conn.recv() == "stop":
                     conn.send({})
                     return
-                conn.send(
-                    {"divergences": [d for r in range(RANKS) for d in _check(sub, client, r)]}
-                )
+                found = [d for r in range(RANKS) for d in _check(sub, client, r)]
+                conn.send({"divergences": [f"{how} follower: {d}" for d in found]})
             with contextlib.suppress(TimeoutError):
                 sub.receive(0.05)
 
@@ -123,7 +134,9 @@ def run_soak(
             "num_blocks": NUM_BLOCKS,
             "data_parallel_size": RANKS,
         },
-        "events": {"buffer_steps": 1000},
+        # The snapshot endpoint on: the snapshot follower bootstraps from it (and every batch
+        # carries the publisher id, which the replay follower reads past).
+        "events": {"buffer_steps": 1000, "snapshot_endpoint": True},
         "control": {"orphan_grace_ms": int(ORPHAN_GRACE_S * 1000)},
         "service": {"log_level": "warning"},
     }
@@ -139,13 +152,18 @@ def run_soak(
     )
     control = LoadControl.shared(ctx)
     loads = [ctx.Process(target=LOADS[name], args=(control, spec), daemon=True) for name in names]
-    commands, follower_end = ctx.Pipe()
     endpoints = {
         "events": daemon.events_endpoint,
         "replay": daemon.replay_endpoint,
         "control": daemon.control_endpoint,
+        "snapshot": daemon.snapshot_endpoint,
     }
-    follower = ctx.Process(target=_follow, args=(endpoints, follower_end), daemon=True)
+    pipes = [ctx.Pipe() for _ in FOLLOWERS]
+    commands = [ours for ours, _ in pipes]
+    followers = [
+        ctx.Process(target=_follow, args=(endpoints, theirs, how), daemon=True)
+        for (_, theirs), how in zip(pipes, FOLLOWERS, strict=True)
+    ]
     probe = ResetProbe(daemon)
     rng = random.Random(seed)
     markers: list[int] = []
@@ -156,7 +174,8 @@ def run_soak(
     report: dict[str, Any] = {"loads_run": names}
     try:
         probe.wait_connected()
-        follower.start()
+        for follower in followers:
+            follower.start()
         for process in loads:
             process.start()
         control.go.set()
@@ -195,13 +214,14 @@ def run_soak(
             process.join(10)
             if process.is_alive():
                 process.kill()
-        if follower.is_alive():
-            commands.send("stop")
-            if commands.poll(10):
-                commands.recv()
-            follower.join(10)
+        for follower, command in zip(followers, commands, strict=True):
             if follower.is_alive():
-                follower.kill()
+                command.send("stop")
+                if command.poll(10):
+                    command.recv()
+                follower.join(10)
+                if follower.is_alive():
+                    follower.kill()
         probe.close()
         report["daemon"] = stop_and_report(daemon)
         report["loads"] = results
@@ -226,9 +246,9 @@ def run_soak(
     return report
 
 
-def _checkpoint(control: LoadControl, probe: Any, commands: Any) -> list[str]:
+def _checkpoint(control: LoadControl, probe: Any, commands: list[Any]) -> list[str]:
     """Loads hold still (what is in flight finishes), the daemon publishes what it captured,
-    then the follower compares its mirrors with the snapshots."""
+    then each follower compares its mirrors with the snapshots."""
     control.go.clear()
     try:
         time.sleep(1.0)  # in-flight operations of the loads finish (a tool, not a test)
@@ -237,10 +257,15 @@ def _checkpoint(control: LoadControl, probe: Any, commands: Any) -> list[str]:
             if time.monotonic() > deadline:
                 return ["the daemon never published what it captured"]
             probe.drain_sub(0.01)
-        commands.send("check")
-        if not commands.poll(180):
-            return ["the follower did not answer a checkpoint"]
-        return list(commands.recv()["divergences"])
+        for command in commands:
+            command.send("check")
+        found: list[str] = []
+        for command, how in zip(commands, FOLLOWERS, strict=True):
+            if not command.poll(180):
+                found.append(f"the {how} follower did not answer a checkpoint")
+            else:
+                found += command.recv()["divergences"]
+        return found
     finally:
         control.go.set()
 
