@@ -139,16 +139,38 @@ def test_every_client_command_speaks_curve(curve_daemon: Daemon, keys: dict[str,
         ["ping", *control],
         ["stats", *control],
         ["loadgen", *control, "--duration", "0.5", "--rate", "20"],
-        subscribe,
     ]
     env = {
         **ENV,
         "KVPUBD_CURVE_KEY": str(keys["client_secret"]),
         "KVPUBD_SERVER_KEY": str(keys["server_public"]),
     }
-    for command, result in zip(commands, kvpubd_all(*commands, env=env), strict=True):
-        assert result.returncode == 0, (command, result.stderr)
-        assert result.stdout, command
+    # The subscriber prints only what is published after it caught up (said on stderr): the
+    # store comes then, not from the loadgen, which may be done by the time it is up.
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "kvpubd", *subscribe],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        for command, result in zip(commands, kvpubd_all(*commands, env=env), strict=True):
+            assert result.returncode == 0, (command, result.stderr)
+            assert result.stdout, command
+        assert follower.stderr is not None
+        caught_up = follower.stderr.readline()
+        assert "mirror rebuilt" in caught_up, caught_up
+        with curve_daemon.client() as client:
+            client.store("after", prompt(1, 1))
+            client.release("after")
+        out, err = follower.communicate(timeout=30)
+        assert follower.returncode == 0, err
+        assert out, "subscribe printed nothing"
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
     flags = ["--curve-key", str(keys["client_secret"]), "--server-key", str(keys["server_public"])]
     (authorised,) = kvpubd_all(["reset", *control, *flags])
     assert authorised.returncode == 0, authorised.stderr
