@@ -45,3 +45,21 @@ def test_heartbeats_reuse_the_build_and_a_change_makes_a_new_one(
         assert changed_seq > later_seq and len(events) == 4 and changed_chunks != chunks
     finally:
         context.destroy(linger=0)
+
+
+def test_a_build_no_request_can_use_is_let_go(start_daemon: DaemonFactory) -> None:
+    """Once events went out after a build, no request can be answered from it: the daemon
+    lets go of its chunks at the next tick instead of keeping them until the next build."""
+    daemon = start_daemon(events={"snapshot_endpoint": True})
+    service = daemon.service  # type: ignore[attr-defined]
+    pipeline = service.pipelines[0]
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with daemon.client() as client:
+            store_released(client, unique_prompt(3))
+            ask(context, daemon)
+            assert pipeline._snapshot is not None  # kept: the next request may share it
+            store_released(client, unique_prompt(1))
+        wait_for(lambda: pipeline._snapshot is None, what="the stale build let go")
+    finally:
+        context.destroy(linger=0)

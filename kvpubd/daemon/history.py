@@ -227,6 +227,13 @@ class History:
             cached = self._snapshot_batches = (job, batch)
         return cached[1]
 
+    def forget_snapshot_batch(self) -> None:
+        """Let go of the last snapshot batch once put together (the rank's state moved on: a
+        later reader of lost history gets a newer one); one still being put together stays."""
+        cached = self._snapshot_batches
+        if cached is not None and cached[1].done():
+            self._snapshot_batches = None
+
     async def _put_together(self, job: asyncio.Future[Snapshot]) -> SnapshotBatch:
         snapshot = await asyncio.shield(job)
         payload = await snapshot.batch_payload(

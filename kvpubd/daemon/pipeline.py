@@ -287,10 +287,22 @@ class RankPipeline:
         return event
 
     def compact(self) -> None:
-        """One slice of housekeeping on the published record (the drain loop calls it)."""
+        """One slice of housekeeping (the drain loop calls it): on the published record, and
+        letting go of a finished snapshot that no request can use any more."""
         record = self.sink.published
         if record.needs_compaction:
             record.compact_some()
+        job = self._snapshot
+        if (
+            job is not None
+            and job.result.done()
+            and job.seq < self.publisher.history.last_event_seq
+        ):
+            # Events went out since it was built: every later request builds anew, so its
+            # chunks (hundreds of MiB at a million blocks) need not wait for that. Replies
+            # still being sent hold their own references.
+            self._snapshot = None
+            self.publisher.history.forget_snapshot_batch()
 
     def checksum_ids(self, block_ids: list[int]) -> np.ndarray:
         """The ids of a checksum request, checked against the pool (CacheError)."""
