@@ -48,6 +48,10 @@ class SnapshotSupply(Protocol):
     def result(self) -> asyncio.Future[Snapshot]: ...
 
 
+# The rank's current snapshot job, shared by whoever asks (a new one once the last is stale).
+Snapshots = Callable[[], SnapshotSupply]
+
+
 class Reader(Protocol):
     """A reader of the ring (a replay) holding back the history it has yet to read."""
 
@@ -89,7 +93,7 @@ class History:
         heartbeat_ms: int = 0,
         overlap: int = 0,
         record_seq: Callable[[int], None] | None = None,
-        lost_history: Callable[[], SnapshotSupply] | None = None,
+        lost_history: Snapshots | None = None,
         publisher_id: bytes | None = None,
     ) -> None:
         if not 0 <= first_seq <= MAX_SEQ:

@@ -3,7 +3,6 @@ builds one rank's transport from."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -12,8 +11,7 @@ from kvpubd.daemon.settings import Settings
 if TYPE_CHECKING:
     from zmq import Context, Socket
 
-    from kvpubd.daemon.history import History
-    from kvpubd.daemon.transports.zmq_snapshot import SnapshotJobLike
+    from kvpubd.daemon.history import History, Snapshots
 
 # A bound socket whose connections the service caps (see conn_cap): (socket, endpoint as
 # bound, what it is: "events", "replay").
@@ -80,4 +78,4 @@ class TransportSetup:
     context: Context[Socket[bytes]]
     # The rank's shared snapshot job (a new one once the last is stale), for a transport that
     # serves snapshots; None where nothing can build one.
-    snapshots: Callable[[], SnapshotJobLike] | None = None
+    snapshots: Snapshots | None = None

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvpubd.daemon.history import History, SnapshotBatch
-from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint, Snapshots
+from kvpubd.daemon.history import History, SnapshotBatch, Snapshots
+from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint
 from kvpubd.daemon.zmq_loop import (
     LIVE_AFFINITY,
     REPLAY_AFFINITY,

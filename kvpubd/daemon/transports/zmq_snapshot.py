@@ -22,13 +22,11 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import zmq
 
-from kvpubd.daemon.history import History
+from kvpubd.daemon.history import History, Snapshots
 from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.zmq_loop import REPLAY_AFFINITY, listener, readable, reader_fd
 from kvpubd.protocol.snapshot_wire import (
@@ -55,14 +53,6 @@ PINNED_BYTES = 1 << 30  # older snapshots kept alive by replies still in ZeroMQ'
 SEND_SLICE_S = 0.0005  # reply frames sent per loop turn
 _MORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
-
-
-class SnapshotJobLike(Protocol):
-    @property
-    def result(self) -> asyncio.Future[Snapshot]: ...
-
-
-Snapshots = Callable[[], SnapshotJobLike]  # the rank's current (shared) snapshot job
 
 
 @dataclass(slots=True, eq=False)
