@@ -19,10 +19,10 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import msgpack
 import msgspec
 import numpy as np
 
@@ -32,7 +32,7 @@ from kvpubd.protocol.wire import (
     BatchEncoder,
     BlockStored,
     WireFormat,
-    array_header,
+    batch_envelope,
     event_to_wire,
 )
 
@@ -80,23 +80,16 @@ class Snapshot:
     ) -> Buffer:
         """A replay batch that rebuilds the state: ``[ts, [AllBlocksCleared, *stores], rank]``
         (and the publisher id, while the snapshot protocol is on)."""
-        packer = msgpack.Packer(use_bin_type=True)
-        head = b"".join(
-            (
-                packer.pack_array_header(3 if publisher_id is None else 4),
-                packer.pack(ts),
-                packer.pack_array_header(self.count + 1),
-                packer.pack(event_to_wire(AllBlocksCleared(), wire_format)),
-            )
-        )
-        tail = packer.pack(rank) + (b"" if publisher_id is None else packer.pack(publisher_id))
-        return await assemble([head, *self.bodies, tail])
+        head, tail = batch_envelope(ts, self.count + 1, rank, publisher_id)
+        cleared = msgspec.msgpack.encode(event_to_wire(AllBlocksCleared(), wire_format))
+        parts: list[bytes | memoryview] = [head + cleared, *self.bodies, tail]
+        return await assemble(parts)
 
 
 Buffer = memoryview  # a large message, sent without a copy
 
 
-async def assemble(parts: list[bytes] | list[memoryview]) -> Buffer:
+async def assemble(parts: Sequence[bytes | memoryview]) -> Buffer:
     """The parts joined into one buffer, about ASSEMBLY_STEP bytes copied per loop turn (a
     snapshot's message can be hundreds of megabytes: one join would hold the loop)."""
     # Uninitialised memory (a zero-filled bytearray of this size costs a memset in one go).
@@ -170,9 +163,6 @@ class SnapshotJob:
         # meanwhile), as live batches are; the slices' events are joined into chunks.
         encoder = BatchEncoder(self._wire_format, source.rank)
         ts = time.time()
-        ts_head = msgspec.msgpack.encode((ts,))  # fixarray(1) + ts: the batch's head but its size
-        head_bytes = len(ts_head) - 1
-        tail = msgspec.msgpack.encode(source.rank)
         chunks: list[bytes] = []
         bodies: list[memoryview] = []
         pending: list[memoryview] = []  # encoded events waiting for their chunk
@@ -180,7 +170,7 @@ class SnapshotJob:
 
         def close_chunk() -> None:
             nonlocal count, pending_bytes
-            head = b"\x93" + ts_head[1:] + array_header(count)
+            head, tail = batch_envelope(ts, count, source.rank)
             chunk = b"".join((head, *pending, tail))
             chunks.append(chunk)
             bodies.append(memoryview(chunk)[len(head) : len(chunk) - len(tail)])
@@ -191,11 +181,10 @@ class SnapshotJob:
             nonlocal count, pending_bytes
             if not events:
                 return
-            batch = encoder.encode(ts, events)  # type: ignore[arg-type]
-            start = 1 + head_bytes + len(array_header(len(events)))
-            pending.append(memoryview(batch)[start : len(batch) - len(tail)])
+            encoded = encoder.encode_events(events)  # type: ignore[arg-type]
+            pending.append(encoded)
             count += len(events)
-            pending_bytes += len(batch)
+            pending_bytes += len(encoded)
 
         while not view.finished:
             if source.current_record() is not view.record:

@@ -215,6 +215,20 @@ def event_from_wire(obj: Any) -> Event:
 
 
 _KEPT_BUFFER_BYTES = 4 << 20
+_encode_plain = msgspec.msgpack.Encoder().encode
+
+
+def batch_envelope(
+    ts: float, count: int, rank: int, publisher_id: bytes | None = None
+) -> tuple[bytes, bytes]:
+    """The bytes before and after ``count`` encoded events that make them the batch
+    ``[ts, events, rank]`` (``[ts, events, rank, publisher_id]`` with an id), exactly as
+    ``BatchEncoder.encode`` writes it."""
+    head = array_header(3 if publisher_id is None else 4) + _encode_plain(ts) + array_header(count)
+    tail = _encode_plain(rank)
+    if publisher_id is not None:
+        tail += _encode_plain(publisher_id)
+    return head, tail
 
 
 class BatchEncoder:
@@ -246,6 +260,13 @@ class BatchEncoder:
         if raw is not None:
             return raw
         return _to_list(obj)
+
+    def encode_events(self, events: list[Event]) -> memoryview:
+        """``events`` as ``encode`` writes them inside a batch, without the batch around them
+        (the items of its events array: snapshots join them into chunks of their own)."""
+        batch = self.encode(0.0, events)
+        head, tail = batch_envelope(0.0, len(events), self.rank, self.publisher_id)
+        return memoryview(batch)[len(head) : len(batch) - len(tail)]
 
     def encode(self, ts: float, events: list[Event]) -> bytes:
         arrays = [
