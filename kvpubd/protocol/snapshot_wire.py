@@ -10,6 +10,7 @@ yet; -2: unavailable now) and each chunk a ``[ts, events, data_parallel_rank]`` 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -80,14 +81,19 @@ class SnapshotReply:
 
 
 def parse_reply(frames: list[bytes]) -> SnapshotReply:
-    """A snapshot reply; ValueError when malformed (too few frames, frame 0 not 8 bytes,
-    frame 1 not 16 bytes, chunks alongside a seq that has none)."""
+    """A snapshot reply; ValueError when malformed (see ``reply_head``)."""
+    seq, publisher_id = reply_head(frames)
+    return SnapshotReply(seq, publisher_id, frames[2:])
+
+
+def reply_head(frames: Sequence[bytes | memoryview]) -> tuple[int, bytes]:
+    """A reply's seq and publisher_id; ValueError when malformed (too few frames, frame 0
+    not 8 bytes, frame 1 not 16 bytes, chunks alongside a seq that has none)."""
     if len(frames) < 2:
         raise ValueError(f"a snapshot reply has at least 2 frames, not {len(frames)}")
     if len(frames[0]) != 8 or len(frames[1]) != PUBLISHER_ID_BYTES:
         raise ValueError("a snapshot reply starts with an 8-byte seq and a 16-byte publisher_id")
     seq = int.from_bytes(frames[0], "big", signed=True)
-    chunks = frames[2:]
-    if seq < 0 and chunks:
-        raise ValueError(f"a snapshot reply with seq {seq} carries {len(chunks)} chunk(s)")
-    return SnapshotReply(seq, frames[1], chunks)
+    if seq < 0 and len(frames) > 2:
+        raise ValueError(f"a snapshot reply with seq {seq} carries {len(frames) - 2} chunk(s)")
+    return seq, bytes(frames[1])

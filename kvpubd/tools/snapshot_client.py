@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
+from kvpubd.protocol.snapshot_wire import SNAPSHOT_REQUEST, UNAVAILABLE, reply_head
 from kvpubd.protocol.wire import PUBLISHER_ID_BYTES, BlockStored, decode_batch
 
-REQUEST = b"snapshot"
-UNAVAILABLE = -2
 POLL_MS = 100  # how often a waiting request looks at its caller's stop flag
 
 
@@ -37,15 +36,18 @@ class SnapshotReply:
 
 
 def parse_reply(frames: list[zmq.Frame], seconds: float) -> SnapshotReply:
-    """The reply's parts; SnapshotMismatch if it is malformed (fewer than 2 frames, a seq
-    not 8 bytes, a publisher id not 16)."""
-    if len(frames) < 2 or len(frames[0].buffer) != 8 or len(frames[1].buffer) != 16:
-        sizes = [len(frame.buffer) for frame in frames[:3]]
-        raise SnapshotMismatch(f"malformed reply: {len(frames)} frames, first sizes {sizes}")
+    """The reply's parts (without a copy); SnapshotMismatch if it is malformed
+    (``snapshot_wire.reply_head``)."""
+    buffers = [frame.buffer for frame in frames]
+    try:
+        seq, publisher_id = reply_head(buffers)
+    except ValueError as exc:
+        sizes = [len(buffer) for buffer in buffers[:3]]
+        raise SnapshotMismatch(f"malformed reply ({exc}): first sizes {sizes}") from None
     return SnapshotReply(
-        seq=int.from_bytes(frames[0].bytes, "big", signed=True),
-        publisher_id=frames[1].bytes,
-        chunks=[frame.buffer for frame in frames[2:]],
+        seq=seq,
+        publisher_id=publisher_id,
+        chunks=buffers[2:],
         nbytes=sum(len(frame.buffer) for frame in frames),
         seconds=seconds,
     )
@@ -75,7 +77,7 @@ class SnapshotRequester:
         """One snapshot, timed from the send to the whole reply; None if none came within
         ``timeout`` seconds or ``stop()`` turned true while waiting."""
         started = time.perf_counter()
-        self._sock.send(REQUEST)
+        self._sock.send(SNAPSHOT_REQUEST)
         deadline = time.monotonic() + timeout
         while not self._sock.poll(POLL_MS):
             if stop() or time.monotonic() > deadline:
