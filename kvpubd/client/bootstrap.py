@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpubd.client.mirror import Mirror, MirrorError
-from kvpubd.client.tracker import Callbacks, Counters, Received, SubscriberError
+from kvpubd.client.tracker import Callbacks, Counters, Received, SubscriberError, check_ranks
 from kvpubd.protocol.snapshot_wire import (
     NOTHING_PUBLISHED,
     LiveMessage,
@@ -129,10 +129,7 @@ class SnapshotTracker:
         buffer_bytes: int = BUFFER_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not ranks:
-            raise ValueError("ranks: follow at least one rank")
-        if len(set(ranks)) != len(ranks) or min(ranks) < 0:
-            raise ValueError(f"ranks: {list(ranks)} must be distinct and >= 0")
+        check_ranks(ranks)
         if not silence_timeout > 0:
             raise ValueError(f"silence_timeout: {silence_timeout} is not a positive number")
         self.callbacks = callbacks or Callbacks()
@@ -172,10 +169,7 @@ class SnapshotTracker:
         return all(stream.synced for stream in self.streams.values())
 
     def counters(self) -> Counters:
-        total = Counters()
-        for stream in self.streams.values():
-            total = total + stream.counters
-        return total
+        return Counters.total(stream.counters for stream in self.streams.values())
 
     # -- inputs --------------------------------------------------------------------------
 

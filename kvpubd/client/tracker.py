@@ -36,12 +36,11 @@ from typing import Any
 
 from kvpubd.client.mirror import Mirror, MirrorError
 from kvpubd.protocol.wire import (
-    END_SEQ,
     AllBlocksCleared,
     EventBatch,
     decode_batch,
     event_from_wire,
-    unpack_seq,
+    split_live,
 )
 
 # The largest jump of seqs counted as that many lost batches: far more than any publisher keeps
@@ -93,6 +92,22 @@ class Counters:
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    @classmethod
+    def total(cls, each: Iterable[Counters]) -> Counters:
+        """The counters summed (of every rank followed)."""
+        summed = cls()
+        for counters in each:
+            summed = summed + counters
+        return summed
+
+
+def check_ranks(ranks: Sequence[int]) -> None:
+    """ValueError unless ``ranks`` are some ranks to follow: distinct, none negative."""
+    if not ranks:
+        raise ValueError("ranks: follow at least one rank")
+    if len(set(ranks)) != len(ranks) or min(ranks) < 0:
+        raise ValueError(f"ranks: {list(ranks)} must be distinct and >= 0")
 
 
 # What the tracker asks its shell to do next.
@@ -198,10 +213,7 @@ class StreamTracker:
         keep_mirror: bool = True,
         callbacks: Callbacks | None = None,
     ) -> None:
-        if not ranks:
-            raise ValueError("ranks: follow at least one rank")
-        if len(set(ranks)) != len(ranks) or min(ranks) < 0:
-            raise ValueError(f"ranks: {list(ranks)} must be distinct and >= 0")
+        check_ranks(ranks)
         self.replay = replay
         self.control = control
         self.callbacks = callbacks or Callbacks()
@@ -238,20 +250,18 @@ class StreamTracker:
                 stream.need_snapshot = True
 
     def counters(self) -> Counters:
-        total = Counters()
-        for stream in self.streams.values():
-            total = total + stream.counters
-        return total
+        return Counters.total(stream.counters for stream in self.streams.values())
 
     # -- inputs --------------------------------------------------------------------------
 
     def on_live(self, rank: int, frames: list[bytes]) -> list[Received]:
         """A message from the rank's SUB socket: ``[topic, seq, payload]``."""
         stream = self.streams[rank]
-        if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
+        try:
+            seq, payload = split_live(frames)
+        except ValueError:
             stream.counters.malformed += 1
             return []
-        seq, payload = unpack_seq(frames[1]), frames[2]
         previous_live, stream.last_live = stream.last_live, seq
         if previous_live is not None and seq <= previous_live:
             self._restart(stream, f"live seq went back from {previous_live} to {seq}")

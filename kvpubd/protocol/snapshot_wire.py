@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvpubd.protocol.wire import END_SEQ, PUBLISHER_ID_BYTES, unpack_seq
+from kvpubd.protocol import wire
+from kvpubd.protocol.wire import PUBLISHER_ID_BYTES
 
 SNAPSHOT_REQUEST = b"snapshot"
 NOTHING_PUBLISHED = -1  # reply seq: an empty index, no live seq covered yet
@@ -54,9 +55,7 @@ class LiveMessage:
 def parse_live(frames: list[bytes], rank: int) -> LiveMessage:
     """One live message of ``rank``'s stream; ValueError (NoPublisherId for a 3-element
     payload) when it is not one."""
-    if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
-        raise ValueError(f"a live message is [topic, seq, payload], not {len(frames)} frames")
-    seq, payload = unpack_seq(frames[1]), frames[2]
+    seq, payload = wire.split_live(frames)
     try:
         envelope = _ENVELOPE.decode(payload)
     except msgspec.DecodeError as exc:

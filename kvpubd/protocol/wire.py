@@ -189,6 +189,14 @@ def unpack_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
+def split_live(frames: list[bytes]) -> tuple[int, bytes]:
+    """(seq, payload) of a live message ``[topic, seq, payload]``; ValueError when it is
+    not one (other frames, a seq not 8 bytes, the replay end marker)."""
+    if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
+        raise ValueError(f"a live message is [topic, seq, payload], not {len(frames)} frames")
+    return unpack_seq(frames[1]), frames[2]
+
+
 def event_to_wire(event: Event, wire_format: WireFormat) -> Any:
     """The plain (msgpack-ready) form of one event, e.g. for the control protocol's snapshot."""
     if wire_format == "map":
