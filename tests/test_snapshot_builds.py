@@ -63,3 +63,22 @@ def test_a_build_no_request_can_use_is_let_go(start_daemon: DaemonFactory) -> No
         wait_for(lambda: pipeline._snapshot is None, what="the stale build let go")
     finally:
         context.destroy(linger=0)
+
+
+def test_a_snapshot_let_go_is_freed_a_slice_per_turn(start_daemon: DaemonFactory) -> None:
+    """A million blocks' chunks freed in one go took 15-19 ms of the loop on the dev VM: a
+    build let go is handed to the reaper, which frees about FREE_STEP_BYTES per turn."""
+    daemon = start_daemon(events={"snapshot_endpoint": True})
+    pipeline = daemon.service.pipelines[0]  # type: ignore[attr-defined]
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with daemon.client() as client:
+            store_released(client, unique_prompt(3))
+            ask(context, daemon)
+            built = pipeline._snapshot.result.result()
+            assert built.chunks
+            store_released(client, unique_prompt(1))
+        wait_for(lambda: not built.chunks, what="the reaper emptying the chunks")
+        assert not built.bodies
+    finally:
+        context.destroy(linger=0)

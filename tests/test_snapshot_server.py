@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvpubd.daemon import snapshot as snapshot_module
 from kvpubd.daemon.history import History
 from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.transports import zmq_snapshot
@@ -57,7 +58,7 @@ def snapshot_at(seq: int, blocks: int = 1) -> Snapshot:
         )
         for b in range(blocks)
     ]
-    return Snapshot(seq, blocks, chunks, [memoryview(c) for c in chunks])
+    return Snapshot(seq, blocks, chunks, [memoryview(c) for c in chunks], sum(map(len, chunks)))
 
 
 @dataclass
@@ -229,3 +230,14 @@ async def test_a_req_that_correlates_its_requests_gets_its_reply(rig: Rig) -> No
     rig.builds.jobs[0].result.set_result(snapshot_at(0))
     reply = await reply_of(sock)
     assert (seq_of(reply), reply[1]) == (0, PUBLISHER_ID)
+
+
+def test_a_snapshot_frees_its_chunks_a_step_at_a_time() -> None:
+    size = snapshot_module.FREE_STEP_BYTES // 4 + 1  # four of them make one step and a bit
+    chunks = [bytes(size) for _ in range(10)]
+    snapshot = Snapshot(5, 10, chunks, [memoryview(c)[1:] for c in chunks], 10 * size)
+    left = []
+    while not snapshot.free_some():
+        left.append(len(snapshot.chunks))
+        assert len(snapshot.bodies) == len(snapshot.chunks)
+    assert left == [6, 2] and snapshot.nbytes == 10 * size  # as built, whatever is left

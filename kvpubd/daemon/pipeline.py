@@ -259,8 +259,19 @@ class RankPipeline:
             if job.seq < history.last_seq:
                 job.advance_to(history.last_seq)
             return job
+        self._retire_snapshot()
         self._snapshot = SnapshotJob(self, self._wire_format)
         return self._snapshot
+
+    def _retire_snapshot(self) -> None:
+        """Let go of the finished snapshot no request can use any more, its chunks freed a
+        slice per loop turn by the reaper (in one go they would hold a reset back)."""
+        job, self._snapshot = self._snapshot, None
+        result = job.result if job is not None else None
+        built = result is not None and result.done() and not result.cancelled()
+        if built and result is not None and result.exception() is None:
+            self._reaper.retire(result.result())
+        self.publisher.history.forget_snapshot_batch()
 
     # What a snapshot job reads.
 
@@ -301,8 +312,7 @@ class RankPipeline:
             # Events went out since it was built: every later request builds anew, so its
             # chunks (hundreds of MiB at a million blocks) need not wait for that. Replies
             # still being sent hold their own references.
-            self._snapshot = None
-            self.publisher.history.forget_snapshot_batch()
+            self._retire_snapshot()
 
     def checksum_ids(self, block_ids: list[int]) -> np.ndarray:
         """The ids of a checksum request, checked against the pool (CacheError)."""

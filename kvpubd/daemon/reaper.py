@@ -46,6 +46,9 @@ def _free_some(container: Any) -> bool:
         return not container
     if isinstance(container, tuple):
         return all(_free_some(part) for part in container)
+    free_some = getattr(container, "free_some", None)  # a container that paces itself
+    if free_some is not None:
+        return bool(free_some())
     parts = getattr(container, "reapable", None)
     if parts is not None:
         return all(_free_some(part) for part in parts())

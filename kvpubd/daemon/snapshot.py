@@ -43,6 +43,7 @@ SLICE_ENTRIES = 32  # log entries read between two clock checks (~0.2 ms of enco
 # Encoded events per chunk, in bytes: few enough frames that sending a 1M-block snapshot
 # costs little per frame, small enough that putting a chunk together is quick.
 CHUNK_BYTES = 1 << 18
+FREE_STEP_BYTES = 1 << 20  # chunk bytes a snapshot lets go of per loop turn (see free_some)
 
 
 class SnapshotSource(Protocol):
@@ -70,10 +71,19 @@ class Snapshot:
     count: int
     chunks: list[bytes]
     bodies: list[memoryview]
+    nbytes: int  # the chunks' bytes, as built (what replies still in flight keep alive)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(chunk) for chunk in self.chunks)
+    def free_some(self) -> bool:
+        """Let go of about FREE_STEP_BYTES of chunks; True once none is left. The reaper calls
+        it a loop turn at a time for a snapshot no request can use any more: letting go of a
+        million blocks' chunks at once took 15-19 ms on the dev VM."""
+        chunks, bodies = self.chunks, self.bodies
+        freed = 0
+        while chunks and freed < FREE_STEP_BYTES:
+            freed += len(chunks[-1])
+            bodies.pop()  # the view first: its chunk is freed with the chunk's last reference
+            chunks.pop()
+        return not chunks
 
     async def batch_payload(
         self, ts: float, rank: int, wire_format: WireFormat, publisher_id: bytes | None = None
@@ -153,7 +163,8 @@ class SnapshotJob:
                 view.close()
             if body is not None:
                 chunks, bodies = body
-                return Snapshot(self.seq, view.count, chunks, bodies)
+                nbytes = sum(len(chunk) for chunk in chunks)
+                return Snapshot(self.seq, view.count, chunks, bodies, nbytes)
             # A reset replaced the record mid-way: build again, on the new state.
 
     async def _encode(self, view: FrozenView) -> tuple[list[bytes], list[memoryview]] | None:
