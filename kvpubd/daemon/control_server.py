@@ -44,6 +44,10 @@ CONTROL_BURST_S = 0.001
 # snapshot request waiting for the client's last reply to be written out looks again.
 UNSENT_SWEEP = 1024
 UNSENT_POLL_S = 0.005
+# Routing frames a request may carry before the empty delimiter: the ROUTER's identity of the
+# client, and any a proxy or a correlating DEALER put in front (a rank worker's requests come
+# from its service's DEALER, each with a correlation frame).
+MAX_ENVELOPE_FRAMES = 8
 # Plain ints: pyzmq's send_multipart combines its flag enums per frame, which costs more than
 # the three sends themselves.
 _REPLY_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -52,8 +56,11 @@ _REPLY_LAST = int(zmq.NOBLOCK)
 # Bytes now, or bytes or a buffer to come (a store done in slices, sent the moment it finishes;
 # a snapshot built across loop turns, sent without a copy).
 Reply = bytes | Pending[bytes] | Pending[memoryview] | Pending[bytes | memoryview]
-# The request, and the client that sent it (None where it cannot be told: see owners).
-Handler = Callable[[Request, Owner | None], Reply]
+# The request, the client that sent it (None where it cannot be told: see owners) and the
+# request's frame as received (a service of rank processes forwards it as it came).
+Handler = Callable[[Request, Owner | None, bytes], Reply]
+# The frames a reply goes back through: the client's identity, and any envelope before it.
+Route = tuple[bytes, ...]
 
 
 class StartupError(RuntimeError):
@@ -77,12 +84,12 @@ class ControlServer:
         self._fd: int | None = None
         self._serve_scheduled = False  # a _serve waits in the loop's ready queue
         self.endpoint = ""
-        # (client identity, rank) of the snapshot replies being put together.
-        self._snapshots: set[tuple[bytes, int | None]] = set()
+        # (client route, rank) of the snapshot replies being put together.
+        self._snapshots: set[tuple[Route, int | None]] = set()
         # Per client, its last snapshot reply until ZeroMQ has written it out, and the clients
         # whose next snapshot waits for that (see _snapshot).
-        self._unsent: dict[bytes, zmq.MessageTracker] = {}
-        self._deferred: set[bytes] = set()
+        self._unsent: dict[Route, zmq.MessageTracker] = {}
+        self._deferred: set[Route] = set()
 
     @property
     def socket(self) -> zmq.Socket[bytes] | None:
@@ -156,17 +163,23 @@ class ControlServer:
             # Frames, for the last one's metadata; .bytes is the one copy a plain recv makes.
             message = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             frames = [frame.bytes for frame in message]
-            if self._curve is not None and not self._curve.admits(
+            route = _route(frames)
+            reply: Reply | None = None
+            if route is None:
+                log.debug("control: dropped a message without the empty delimiter")
+            elif self._curve is not None and not self._curve.admits(
                 _metadata(message[-1], "User-Id")
             ):
-                reply: Reply | None = self._revoked(frames)
+                reply = self._revoked(frames, len(route))
             else:
                 owner = owner_of_message(_metadata(message[-1], "Peer-Address"), self.endpoint)
                 reply = self.handle_frames(frames, owner)
-            if isinstance(reply, bytes):
-                self._send(frames[0], reply)
-            elif reply is not None:
-                reply.then(functools.partial(self._send_settled, frames[0]))
+            if route is None or reply is None:
+                pass
+            elif isinstance(reply, bytes):
+                self._send(route, reply)
+            else:
+                reply.then(functools.partial(self._send_settled, route))
             budget -= len(frames[-1])
             if budget <= 0 or time.perf_counter() >= deadline:
                 break
@@ -175,19 +188,19 @@ class ControlServer:
         asyncio.get_running_loop().call_soon(self._serve)
 
     def handle_frames(self, frames: list[bytes], owner: Owner | None = None) -> Reply | None:
-        """Answer one ROUTER message ``[identity, b"", request]`` from ``owner``; None for
-        unusable framing."""
-        if len(frames) < 2 or frames[1] != b"":
+        """Answer one ROUTER message ``[identity, (envelope...,) b"", request]`` from
+        ``owner``; None for unusable framing."""
+        route = _route(frames)
+        if route is None:
             log.debug("control: dropped a message without the empty delimiter")
             return None
+        body = frames[len(route) + 1 :]
         try:
-            if len(frames) != 3:
-                raise ProtocolError(
-                    "bad_request", f"expected one request frame, got {len(frames) - 2}"
-                )
+            if len(body) != 1:
+                raise ProtocolError("bad_request", f"expected one request frame, got {len(body)}")
             config = self._config
             request = parse_request(
-                frames[2], config.max_message_bytes, config.max_tokens_per_request
+                body[0], config.max_message_bytes, config.max_tokens_per_request
             )
         except ProtocolError as exc:
             self._metrics.refused(exc.code)
@@ -195,21 +208,19 @@ class ControlServer:
             return error_reply(exc.request_id, exc.code, exc.message)
         log.debug("control: %s (id %r)", op_of(request), request.id)
         if isinstance(request, Snapshot):
-            return self._snapshot(frames[0], request)
-        return self._handler(request, owner)
+            return self._snapshot(route, request, body[0])
+        return self._handler(request, owner, body[0])
 
-    def _revoked(self, frames: list[bytes]) -> Reply | None:
+    def _revoked(self, frames: list[bytes], envelope: int) -> Reply | None:
         """The answer to a client admitted by a key that is no longer authorised."""
-        if len(frames) < 2 or frames[1] != b"":
-            return None
         self._metrics.refused("unauthorized")
         log.debug("control: refused a request of a client whose CURVE key was revoked")
-        request_id = peek_id(frames[-1]) if len(frames) == 3 else None
+        request_id = peek_id(frames[-1]) if len(frames) == envelope + 2 else None
         return error_reply(
             request_id, "unauthorized", "this client's CURVE key is no longer authorised"
         )
 
-    def _snapshot(self, identity: bytes, request: Snapshot) -> Reply:
+    def _snapshot(self, identity: Route, request: Snapshot, frame: bytes) -> Reply:
         """One snapshot at a time per client: each reply is a copy of the rank's published
         state, so a client that pipelined snapshots without reading them queued a copy per
         request (every request shares one build). Another request while the last of that rank
@@ -224,7 +235,7 @@ class ControlServer:
             )
         unsent = self._unsent.get(identity)
         if unsent is None or unsent.done:
-            return self._build_snapshot(key, request)
+            return self._build_snapshot(key, request, frame)
         later: Pending[bytes | memoryview] = Pending()
         self._deferred.add(identity)
         loop = asyncio.get_running_loop()
@@ -237,7 +248,7 @@ class ControlServer:
                 loop.call_later(UNSENT_POLL_S, when_sent)
             else:
                 self._deferred.discard(identity)
-                reply = self._build_snapshot(key, request)
+                reply = self._build_snapshot(key, request, frame)
                 if isinstance(reply, bytes):
                     later.resolve(reply)
                 else:
@@ -246,19 +257,22 @@ class ControlServer:
         loop.call_later(UNSENT_POLL_S, when_sent)
         return later
 
-    def _build_snapshot(self, key: tuple[bytes, int | None], request: Snapshot) -> Reply:
-        reply = self._handler(request, None)
+    def _build_snapshot(
+        self, key: tuple[Route, int | None], request: Snapshot, frame: bytes
+    ) -> Reply:
+        reply = self._handler(request, None, frame)
         if isinstance(reply, Pending):
             self._snapshots.add(key)
             reply.then(lambda _reply, _error: self._snapshots.discard(key))
         return reply
 
-    def _send(self, identity: bytes, reply: Any) -> None:
+    def _send(self, identity: Route, reply: Any) -> None:
         if self._sock is None:
             return
         send = self._sock.send
         try:
-            send(identity, _REPLY_MORE)
+            for frame in identity:
+                send(frame, _REPLY_MORE)
             send(b"", _REPLY_MORE)
             if isinstance(reply, bytes):
                 send(reply, _REPLY_LAST)
@@ -274,7 +288,7 @@ class ControlServer:
         self._unsent[identity] = tracker
 
     def _send_settled(
-        self, identity: bytes, reply: bytes | memoryview | None, _: BaseException | None
+        self, identity: Route, reply: bytes | memoryview | None, _: BaseException | None
     ) -> None:
         if reply is not None:  # a reply cancelled at shutdown is not sent
             self._send(identity, reply)
@@ -289,6 +303,14 @@ class ControlServer:
         if sock is not None and not self._serve_scheduled and readable(sock):
             self._serve_scheduled = True
             asyncio.get_running_loop().call_soon(self._serve)
+
+
+def _route(frames: list[bytes]) -> Route | None:
+    """The frames before the empty delimiter (the identity first); None without one."""
+    for index in range(1, min(len(frames), MAX_ENVELOPE_FRAMES + 1)):
+        if frames[index] == b"":
+            return tuple(frames[:index])
+    return None
 
 
 def _metadata(frame: zmq.Frame, name: str) -> str | None:

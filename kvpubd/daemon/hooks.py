@@ -20,6 +20,8 @@ class MetricsHooks(Protocol):
 
     def reset_done(self, seconds: float) -> None: ...
 
+    def event_counts(self, rank: int) -> dict[str, int]: ...
+
     async def start(self, host: str, port: int) -> str: ...
 
     async def close(self) -> None: ...
@@ -39,6 +41,9 @@ class NullMetrics:
 
     def reset_done(self, seconds: float) -> None:
         pass
+
+    def event_counts(self, rank: int) -> dict[str, int]:
+        return {}
 
     async def start(self, host: str, port: int) -> str:
         return ""

@@ -42,13 +42,15 @@ def under_journal(environ: Mapping[str, str] = os.environ) -> bool:
     return bool(environ.get("JOURNAL_STREAM"))
 
 
-def configure(level: str, environ: Mapping[str, str] = os.environ) -> None:
-    """Log to stderr at ``level`` (one of LEVELS)."""
+def configure(level: str, environ: Mapping[str, str] = os.environ, tag: str | None = None) -> None:
+    """Log to stderr at ``level`` (one of LEVELS); ``tag`` stands for the logger's name (a
+    rank worker's lines say which rank wrote them)."""
     handler = logging.StreamHandler(sys.stderr)
+    name = tag.replace("%", "%%") if tag else "%(name)s"
     if under_journal(environ):
-        handler.setFormatter(JournalFormatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(JournalFormatter(f"%(levelname)s {name}: %(message)s"))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {name}: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     set_level(level)

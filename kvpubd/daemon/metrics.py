@@ -15,7 +15,7 @@ import asyncio
 import logging
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -30,7 +30,6 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvpubd import __version__
-from kvpubd.daemon.drain import Drain
 from kvpubd.protocol.control import RankStats
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
@@ -63,20 +62,24 @@ class RankLike(Protocol):
 
 
 class Metrics:
-    """The daemon's metrics. ``ranks`` returns the served ranks; ``drain`` tells whether the
-    periodic drain is paused (never, without one)."""
+    """The daemon's metrics. ``ranks`` returns the served ranks; ``paused`` tells whether the
+    periodic drain is paused."""
 
     def __init__(
         self,
         ranks: Callable[[], Sequence[RankLike]],
-        drain: Drain | None = None,
+        paused: Callable[[], bool] = lambda: False,
         health: Callable[[], str | None] = lambda: None,
+        refresh: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        """``health`` returns None while the daemon is healthy, else why it is not."""
+        """``health`` returns None while the daemon is healthy, else why it is not;
+        ``refresh``, where given, is awaited before each scrape is answered (a service of rank
+        processes reads its workers' stats then)."""
         self.registry = CollectorRegistry()
         self._ranks = ranks
-        self._drain = drain
+        self._paused = paused
         self._health = health
+        self._refresh = refresh
         self.max_connections = HTTP_MAX_CONNECTIONS
         self.connections = 0
         self.connections_refused = 0
@@ -118,6 +121,10 @@ class Metrics:
         self.reset_counts[bisect_left(RESET_BUCKETS, seconds)] += 1
         self.reset_sum += seconds
 
+    def event_counts(self, rank: int) -> dict[str, int]:
+        """Events ``rank`` published, by type."""
+        return {kind: count for (r, kind), count in self.events.items() if r == rank}
+
     # -- HTTP endpoint -----------------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> str:
@@ -145,6 +152,8 @@ class Metrics:
         self.connections += 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_TIMEOUT_S)
+            if self._refresh is not None:
+                await self._refresh()
             status, content_type, body = self.page(head)
             method = head.split(b" ", 1)[0]
             writer.write(
@@ -222,7 +231,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             "kvpubd_paused",
             "1 while the periodic drain is paused.",
-            value=int(metrics._drain is not None and metrics._drain.paused),
+            value=int(metrics._paused()),
         )
 
         events = CounterMetricFamily(
@@ -232,9 +241,7 @@ class _StateCollector(Collector):
         )
         for stats in ranks:
             for kind in EVENT_TYPES.values():
-                events.add_metric(
-                    [str(stats.rank), kind], metrics.events.get((stats.rank, kind), 0)
-                )
+                events.add_metric([str(stats.rank), kind], stats.events_by_type.get(kind, 0))
         yield events
 
         # Named after the stats keys: kvpubd_<key>, counters with _total.

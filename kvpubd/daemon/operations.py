@@ -111,10 +111,11 @@ class Operations:
             control.orphan_grace_ms / 1000 if control.release_orphans else None,
         )
 
-    def handle(self, request: Request, owner: Owner | None = None) -> Reply:
+    def handle(self, request: Request, owner: Owner | None = None, frame: bytes = b"") -> Reply:
         """The reply to one parsed request from ``owner`` (the client, where it can be told:
         its open requests are released when it goes away); a refusal or a bug is answered,
-        never raised. Work that takes several loop turns is answered later."""
+        never raised. Work that takes several loop turns is answered later. ``frame``, the
+        request as received, is not needed here."""
         error_code: str | None = None
         try:
             answer = _HANDLERS[type(request)](self, request, owner)

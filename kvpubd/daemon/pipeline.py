@@ -357,6 +357,7 @@ class RankPipeline:
             snapshot_endpoint=transport.snapshot_endpoint,
             snapshot_requests=transport.snapshot_requests,
             snapshots_unavailable=transport.snapshots_unavailable,
+            events_by_type=self._metrics.event_counts(self.rank),
         )
 
     def close(self) -> None:

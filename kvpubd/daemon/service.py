@@ -9,11 +9,13 @@ background task is supervised: one that dies stops the daemon with a non-zero ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import secrets
 import signal
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import zmq
 
 from kvpubd.daemon import logs, resources
 from kvpubd.daemon.conn_cap import ConnectionCap
-from kvpubd.daemon.control_server import ControlServer, StartupError
+from kvpubd.daemon.control_server import ControlServer, Handler, StartupError
 from kvpubd.daemon.curve import CurveServer
 from kvpubd.daemon.drain import Drain
 from kvpubd.daemon.endpoint_lock import (
@@ -37,7 +39,7 @@ from kvpubd.daemon.endpoint_lock import (
 from kvpubd.daemon.hooks import MetricsHooks, NullMetrics
 from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.daemon.operations import Operations
-from kvpubd.daemon.owners import ConnectionOwners
+from kvpubd.daemon.owners import ConnectionOwners, RequestOwners
 from kvpubd.daemon.pipeline import RankPipeline
 from kvpubd.daemon.pool import (
     cache_bytes,
@@ -56,13 +58,26 @@ from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
 
 log = logging.getLogger("kvpubd")
 
-__all__ = ["Service", "StartupError", "TaskFailed", "run"]
+__all__ = ["Service", "StartupError", "TaskFailed", "WorkerRole", "run"]
 
 DRAIN_TASK = "drain loop"
 
 
 class TaskFailed(RuntimeError):
     """A background task of the daemon died; the daemon stops with a non-zero status."""
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """This service is one rank worker of a service of rank processes (rank_worker): its
+    control requests come from that service over a private endpoint, and the service's epoch
+    is its own. Everything else (the rank's endpoints, seq state, pool segment name) is as a
+    single daemon serving that rank would have it."""
+
+    control_endpoint: str
+    epoch: int
+    # The service serves metrics: count events by type (stats carry them to it).
+    count_events: bool = False
 
 
 class Service:
@@ -74,8 +89,16 @@ class Service:
         settings: Settings,
         reload_settings: Callable[[], Settings] | None = None,
         start_lines: list[str] | None = None,
+        worker: WorkerRole | None = None,
     ) -> None:
         self.settings = settings
+        self.worker = worker
+        # Where control requests come in: the configured endpoint, or a worker's private one.
+        self._control_config = (
+            settings.control
+            if worker is None
+            else settings.control.model_copy(update={"endpoint": worker.control_endpoint})
+        )
         self._reload_settings = reload_settings
         self._start_lines = start_lines or []
         self.ready = False
@@ -84,11 +107,13 @@ class Service:
         self._locks: list[EndpointLock] = []
         self._created_dirs: list[Path] = []
         self._caps: list[ConnectionCap] = []
-        self.epoch = secrets.randbits(62)
+        self.epoch = secrets.randbits(62) if worker is None else worker.epoch
         self.pipelines: list[RankPipeline] = []
         self.drain = Drain(self.pipelines, settings.events.tick_interval_ms / 1000)
+        # A rank worker counts what its service's metrics read through its stats.
+        counts = worker is not None and worker.count_events
         self.metrics: MetricsHooks = (
-            _create_metrics(self) if settings.metrics.port else NullMetrics()
+            self._create_metrics() if settings.metrics.port or counts else NullMetrics()
         )
         self.operations = Operations(self.pipelines, settings, self.metrics, self.epoch, self.drain)
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -126,15 +151,34 @@ class Service:
         background task died. ``started`` is called once start-up ended, as it ended."""
         try:
             try:
-                await self.startup()
+                stopped_early = await self._start_unless_stopped()
             finally:
                 if started is not None:
                     started()
-            await self.main_loop()
+            if not stopped_early:
+                await self.main_loop()
         finally:
             await self.shutdown()
         if self._failure is not None:
             raise TaskFailed(f"{self._failure_task}: {self._failure!r}") from self._failure
+
+    async def _start_unless_stopped(self) -> bool:
+        """Start up; True if an exit request came first (start-up can take seconds: rank
+        workers starting, a large pool allocated), and start-up was cancelled."""
+        startup = asyncio.ensure_future(self.startup())
+        exit_requested = asyncio.ensure_future(self._exit.wait())
+        try:
+            await asyncio.wait({startup, exit_requested}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exit_requested.cancel()
+        if startup.done():
+            startup.result()  # raises what start-up raised
+            return False
+        startup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await startup
+        log.info("stopped before start-up ended")
+        return True
 
     def health(self) -> str | None:
         """None while the daemon is ready and its drain loop runs; else what is wrong."""
@@ -208,15 +252,48 @@ class Service:
         self._check_memory()
         self._context = new_context()
         self.control = ControlServer(
-            self._context, self.settings.control, self.operations.handle, self.metrics
+            self._context, self._control_config, self._control_handler(), self.metrics
         )
         self.control.bind()
+        await self._start_ranks(self._context)
+        self.control.start()
+        await self._start_metrics()
+        self._cap_connections()
+        log.log(
+            logging.INFO if self.worker is None else logging.DEBUG,
+            "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
+            len(self.settings.cache.ranks),
+            self.settings.cache.num_blocks,
+            self.settings.cache.block_bytes,
+            self.control_endpoint,
+            resources.fd_limit(),
+        )
+        # Everything built so far lives as long as the daemon: the per-block lists of every
+        # index among it. Out of the collector's reach, a full collection no longer walks them
+        # (a pause that grew with the pool and landed on whichever reset came next).
+        gc.freeze()
+        self.ready = True
+        if self.worker is None:
+            self._notify_ready()
+
+    # -- the ranks: in this process (a subclass runs them in worker processes) ---------------
+
+    def _create_metrics(self) -> MetricsHooks:
+        from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
+
+        return Metrics(lambda: self.pipelines, lambda: self.drain.paused, self.health)
+
+    def _control_handler(self) -> Handler:
+        return self.operations.handle
+
+    async def _start_ranks(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        """Build every rank's pipeline, publish its startup marker, start the drain."""
         for rank in self.settings.cache.ranks:
             try:
                 pipeline = RankPipeline(
                     rank,
                     self.settings,
-                    self._context,
+                    context,
                     self.metrics,
                     self._reaper,
                     self.drain,
@@ -236,25 +313,49 @@ class Service:
                 f", snapshots on {snapshots}" if snapshots else "",
             )
             publisher.start()
-        self.control.start()
-        await self._start_metrics()
-        self._cap_connections()
         self._spawn(self.drain.run(), DRAIN_TASK)
         self._spawn(self._reaper.run(), "reaper")
-        log.info(
-            "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
-            len(self.pipelines),
-            self.settings.cache.num_blocks,
-            self.settings.cache.block_bytes,
-            self.control_endpoint,
-            resources.fd_limit(),
-        )
-        # Everything built so far lives as long as the daemon: the per-block lists of every
-        # index among it. Out of the collector's reach, a full collection no longer walks them
-        # (a pause that grew with the pool and landed on whichever reset came next).
-        gc.freeze()
-        self.ready = True
-        self._notify_ready()
+
+    def _stop_publishing(self) -> None:
+        """Shutdown's first step: no more replays or snapshots served."""
+        for pipeline in self.pipelines:
+            pipeline.publisher.stop()
+
+    async def _stop_ranks(self) -> None:
+        """After the control socket closed: publish what each rank captured, close it."""
+        for pipeline in self.pipelines:
+            seq = _attempt(f"rank {pipeline.rank} last batch", pipeline.flush)
+            if seq is not None:
+                log.info("rank %d: published the last batch, seq %d", pipeline.rank, seq)
+        for pipeline in self.pipelines:
+            _attempt(f"rank {pipeline.rank} close", pipeline.close)
+
+    def _rank_listeners(self) -> list[tuple[zmq.Socket[bytes], str, str]]:
+        """Each rank's listening sockets, for the connection caps."""
+        return [
+            (sock, bound, f"rank {pipeline.rank} {what}")
+            for pipeline in self.pipelines
+            for sock, bound, what in pipeline.publisher.listeners()
+        ]
+
+    def _rank_socket_files(self) -> list[tuple[str, str]]:
+        """(what, endpoint) of every rank socket to lock before anything binds."""
+        events = self.settings.events
+        return [
+            (f"rank {rank} {kind} endpoint", rank_endpoint(base, rank))
+            for rank in self.settings.cache.ranks
+            for kind, base in (
+                ("events", events.endpoint),
+                ("replay", events.replay_endpoint),
+                ("snapshot", events.snapshot_endpoint),
+            )
+            if base
+        ]
+
+    @property
+    def owners(self) -> RequestOwners:
+        """Who opened each open request (released when its client goes away)."""
+        return self.operations.owners
 
     async def main_loop(self) -> None:
         """Wait for an exit request, or for a background task to die."""
@@ -263,12 +364,11 @@ class Service:
     async def shutdown(self) -> None:
         """Stop everything that started; each step runs even if an earlier one failed."""
         self._notifier.stopping("stopping")
-        for pipeline in self.pipelines:
-            pipeline.publisher.stop()
+        self._stop_publishing()
         for guard in self._caps:
             _attempt(f"{guard.name} connection cap", guard.close)
         self._caps = []
-        self.operations.owners.close()
+        self.owners.close()
         tasks, self._tasks = self._tasks, []
         if self._key_reload is not None:
             tasks.append(self._key_reload)
@@ -282,12 +382,10 @@ class Service:
         if self.control is not None:  # stop taking requests first
             _attempt("control socket", self.control.close)
             self.control = None
-        for pipeline in self.pipelines:
-            seq = _attempt(f"rank {pipeline.rank} last batch", pipeline.flush)
-            if seq is not None:
-                log.info("rank %d: published the last batch, seq %d", pipeline.rank, seq)
-        for pipeline in self.pipelines:
-            _attempt(f"rank {pipeline.rank} close", pipeline.close)
+        try:
+            await self._stop_ranks()
+        except Exception:
+            log.exception("shutdown: stopping the ranks failed")
         if self._context is not None:
             # Closes what a failed start-up left open, then waits up to each socket's linger
             # (linger_ms for PUB) for queued messages to reach subscribers.
@@ -305,19 +403,9 @@ class Service:
     def _lock_endpoint(self) -> None:
         """Lock the control endpoint and every rank's ipc socket file before anything binds:
         one daemon per endpoint, and none takes over another's sockets."""
-        endpoint = self.settings.control.endpoint
+        endpoint = self._control_config.endpoint
         path = lock_path(endpoint, default_runtime_dir())
-        events = self.settings.events
-        sockets = [
-            (f"rank {rank} {kind} endpoint", rank_endpoint(base, rank))
-            for rank in self.settings.cache.ranks
-            for kind, base in (
-                ("events", events.endpoint),
-                ("replay", events.replay_endpoint),
-                ("snapshot", events.snapshot_endpoint),
-            )
-            if base
-        ]
+        sockets = self._rank_socket_files()
         try:
             if path is not None:
                 self._created_dirs = make_parents(path)
@@ -353,14 +441,12 @@ class Service:
         flood of connections can use up the last one (see conn_cap)."""
         assert self.control is not None and self.control.socket is not None
         listeners = [(self.control.socket, self.control_endpoint, "control")]
-        for pipeline in self.pipelines:
-            for sock, bound, what in pipeline.publisher.listeners():
-                listeners.append((sock, bound, f"rank {pipeline.rank} {what}"))
+        listeners += self._rank_listeners()
         metrics_on = bool(self.settings.metrics.port)
         cap = resources.fd_budget(len(listeners) + metrics_on)
         loop = asyncio.get_running_loop()
         # The control socket's connections tell whose open requests to release (see owners).
-        owners = self.operations.owners
+        owners = self.owners
         observers = {"control": ConnectionOwners(owners) if owners.enabled else None}
         for sock, bound, name in listeners:
             guard = ConnectionCap.create(sock, bound, cap, name, observers.get(name))
@@ -438,19 +524,15 @@ def _attempt(what: str, step: Callable[[], Any]) -> Any:
         return None
 
 
-def _create_metrics(service: Service) -> MetricsHooks:
-    from kvpubd.daemon.metrics import Metrics  # prometheus-client only where metrics are on
-
-    return Metrics(lambda: service.pipelines, service.drain, service.health)
-
-
 def run(
     settings: Settings,
     reload_settings: Callable[[], Settings] | None = None,
     start_lines: list[str] | None = None,
 ) -> None:
     """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
-    service = Service(settings, reload_settings, start_lines)
+    from kvpubd.daemon.process_service import create_service
+
+    service = create_service(settings, reload_settings, start_lines)
     if settings.service.loop == "uvloop":
         try:
             import uvloop

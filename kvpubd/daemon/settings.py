@@ -199,6 +199,19 @@ class ServiceConfig(_Section):
     log_level: LogLevel = "info"
     # How long shutdown waits for ZeroMQ to hand queued messages to subscribers.
     linger_ms: int = Field(2000, ge=0, le=3_600_000)
+    # Each rank in a worker process of its own under this one ("on"), all ranks in this
+    # process ("off"), or "auto": worker processes when more than one rank is served (one
+    # Python thread serves all ranks otherwise, so throughput would not grow with them).
+    # Either way clients see the same endpoints and protocol.
+    rank_processes: Literal["auto", "on", "off"] = "auto"
+    # A rank worker that dies is started again, up to this many times in rank_restart_window_s
+    # (its seq goes on, its first batch is AllBlocksCleared); one more death stops the service
+    # with a non-zero status. 0: the first death stops the service.
+    rank_restarts: int = Field(3, ge=0, le=1000)
+    rank_restart_window_s: float = Field(60.0, gt=0, le=86_400)
+    # A rank worker whose loop answers no ping from the service for this long is taken for
+    # hung: killed, and then handled as a worker that died.
+    rank_hang_timeout_s: float = Field(10.0, ge=0.5, le=3600)
 
     @field_validator("log_level", mode="before")
     @classmethod

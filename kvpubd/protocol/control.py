@@ -179,6 +179,9 @@ class RankStats(msgspec.Struct, frozen=True):
     snapshot_endpoint: str = ""
     snapshot_requests: int = 0
     snapshots_unavailable: int = 0
+    # Events published by type (BlockStored, BlockRemoved, AllBlocksCleared); only counted
+    # where the daemon serves metrics, empty otherwise.
+    events_by_type: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class StatsReply(ControlReply, frozen=True):

@@ -1,0 +1,391 @@
+"""The control ops of a service of rank processes: each request answered here or forwarded,
+as it came, to the worker of the rank it concerns.
+
+What spans ranks is decided here, as ``Operations`` decides it in one process: request ids are
+unique across ranks (this side knows which rank holds each open request), a ``reset`` of
+several ranks checks all of them before any is reset and then resets them in parallel, one
+worker each; ``stats``, ``pause`` and ``resume`` go to every rank and come back as one reply;
+``ping`` is answered from what each worker said when it started. Everything about one rank
+(``store``, ``release``, ``snapshot``, ``pool_info``, ``checksum``) is the worker's: it
+checks the request again and answers it, and its reply goes back to the client unchanged.
+
+A rank whose worker is not running (it died and is being started again) answers
+``unavailable``; so does a reset that targets it, which then resets no rank."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from kvpubd import __version__
+from kvpubd.daemon.cache import CacheError
+from kvpubd.daemon.control_server import Reply
+from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
+from kvpubd.daemon.pending import Pending
+from kvpubd.daemon.rank_link import LinkLost, RankLink
+from kvpubd.daemon.settings import Settings
+from kvpubd.protocol.control import (
+    Checksum,
+    ControlReply,
+    Marker,
+    Pause,
+    PauseReply,
+    Ping,
+    PingReply,
+    PoolInfoRequest,
+    RankEndpoints,
+    RankStats,
+    Release,
+    Request,
+    Reset,
+    ResetReply,
+    Resume,
+    Snapshot,
+    Stats,
+    StatsReply,
+    Store,
+    error_reply,
+    ok_reply,
+    op_of,
+)
+
+log = logging.getLogger("kvpubd")
+
+R = TypeVar("R", bound=ControlReply)
+# Requests forwarded to one worker and not answered yet, past which more are refused ``busy``
+# (resets excepted): a client that pipelines without reading must not grow this process.
+MAX_IN_FLIGHT = 4096
+# Replies passed on as their bytes below this size; larger ones (snapshots, checksums) go on
+# without a copy.
+COPY_BELOW = 64 << 10
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class _Status(msgspec.Struct):
+    ok: bool
+    error: dict[str, Any] | None = None
+
+
+_status_decoder = msgspec.msgpack.Decoder(_Status)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def reply_error(frame: bytes | memoryview) -> str | None:
+    """The error code of a reply, None for an ok one. Only error replies are decoded: an ok
+    reply names itself in its first entry (``ok_reply`` writes ``ok`` first)."""
+    head = bytes(frame[:8])
+    ok_at = 1 if head and 0x80 <= head[0] <= 0x8F else 3
+    if head[ok_at : ok_at + 3] == b"\xa2ok" and head[ok_at + 3 : ok_at + 4] == b"\xc3":
+        return None
+    try:
+        status = _status_decoder.decode(frame)
+    except msgspec.DecodeError:
+        return "internal"
+    if status.ok:
+        return None
+    code = (status.error or {}).get("code")
+    return code if isinstance(code, str) else "internal"
+
+
+def decode_ok(frame: zmq.Frame, reply_type: type[R]) -> R:
+    """A worker's reply as ``reply_type``; CacheError with the worker's code if it refused."""
+    reply = _any_decoder.decode(frame.buffer)
+    if not isinstance(reply, dict) or reply.get("ok") is not True:
+        error = reply.get("error", {}) if isinstance(reply, dict) else {}
+        raise CacheError(str(error.get("code", "internal")), str(error.get("message", reply)))
+    return reply_type.parse(reply)
+
+
+@dataclass
+class _OpenRequest:
+    rank: int
+    # Stored, as far as this side knows: the worker answered the store ok. A store still on
+    # its way counts as open (a reset must not miss it) but a forced reset cannot close it.
+    confirmed: bool = False
+
+
+class RankFront:
+    """``links(rank)``: the rank's link to its worker, None while it is not running."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        links: Callable[[int], RankLink | None],
+        metrics: MetricsHooks,
+        epoch: int,
+    ) -> None:
+        self._settings = settings
+        self._ranks: Sequence[int] = settings.cache.ranks
+        self._links = links
+        self._metrics = metrics
+        self.epoch = epoch
+        self.paused = False
+        # What each worker said at its last start (ping), by rank.
+        self.endpoints: dict[int, RankEndpoints] = {}
+        self._open: dict[RequestId, _OpenRequest] = {}
+        control = settings.control
+        self.owners = RequestOwners(
+            self._release_orphan,
+            control.orphan_grace_ms / 1000 if control.release_orphans else None,
+        )
+        self._handlers: dict[type, Callable[[Any, Owner | None, bytes], Reply]] = {
+            Ping: self._ping,
+            Stats: self._stats,
+            Pause: self._pause,
+            Resume: self._pause,
+            Store: self._store,
+            Release: self._release,
+            Reset: self._reset,
+            Snapshot: self._forward_to_rank,
+            PoolInfoRequest: self._forward_to_rank,
+            Checksum: self._forward_to_rank,
+        }
+
+    # -- the control server's handler --------------------------------------------------------
+
+    def handle(self, request: Request, owner: Owner | None = None, frame: bytes = b"") -> Reply:
+        op = op_of(request)
+        try:
+            reply = self._handlers[type(request)](request, owner, frame)
+        except CacheError as exc:
+            self._metrics.control(op, exc.code)
+            return error_reply(request.id, exc.code, exc.message)
+        except Exception as exc:  # a bug: answer it, keep serving
+            log.exception("control: %s failed", op)
+            self._metrics.control(op, "internal")
+            return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
+        if isinstance(reply, bytes):
+            self._metrics.control(op, reply_error(reply))
+        else:
+            reply.then(lambda value, _: self._metrics.control(op, _code_of(value)))
+        return reply
+
+    # -- what the service tells it -----------------------------------------------------------
+
+    def worker_started(self, rank: int, endpoints: RankEndpoints) -> None:
+        self.endpoints[rank] = endpoints
+
+    def worker_lost(self, rank: int) -> None:
+        """The rank's worker died: its open requests died with it (a new worker starts with
+        an empty cache, its first batch AllBlocksCleared)."""
+        for request_id in [i for i, entry in self._open.items() if entry.rank == rank]:
+            del self._open[request_id]
+            self.owners.drop(request_id)
+
+    def open_requests(self, rank: int) -> int:
+        return sum(1 for entry in self._open.values() if entry.rank == rank)
+
+    # -- ops answered here -------------------------------------------------------------------
+
+    def _ping(self, request: Ping, owner: Owner | None, frame: bytes) -> bytes:
+        endpoints = [self.endpoints[r] for r in self._ranks if r in self.endpoints]
+        return ok_reply(request.id, PingReply(__version__, self.epoch, len(self._ranks), endpoints))
+
+    def _stats(self, request: Stats, owner: Owner | None, frame: bytes) -> Reply:
+        replies = self._to_all([(rank, _encoder.encode(Stats())) for rank in self._ranks])
+
+        def merge(frames: list[zmq.Frame]) -> bytes:
+            ranks: list[RankStats] = []
+            for reply in frames:
+                ranks += decode_ok(reply, StatsReply).ranks
+            return ok_reply(request.id, StatsReply(self.epoch, self.paused, ranks))
+
+        return self._answer(request, replies.map(merge))
+
+    def _pause(self, request: Pause | Resume, owner: Owner | None, frame: bytes) -> Reply:
+        body = _encoder.encode(Pause() if isinstance(request, Pause) else Resume())
+        self.paused = isinstance(request, Pause)
+        log.info("periodic drain %s on every rank", "paused" if self.paused else "resumed")
+        replies = self._to_all([(rank, body) for rank in self._ranks])
+        return self._answer(
+            request, replies.map(lambda _: ok_reply(request.id, PauseReply(self.paused)))
+        )
+
+    def apply_pause(self, rank: int) -> Pending[zmq.Frame] | None:
+        """For a worker just started: pause it if the service is paused."""
+        if not self.paused:
+            return None
+        return self._link(rank).request(_encoder.encode(Pause()))
+
+    # -- ops of one rank ---------------------------------------------------------------------
+
+    def _store(self, request: Store, owner: Owner | None, frame: bytes) -> Reply:
+        rank = self._rank(request.rank)
+        request_id = request.request_id
+        if request_id in self._open:
+            raise CacheError("duplicate_request", f"request {request_id!r} is already open")
+        link = self._link(rank)
+        self._check_room(link)
+        entry = self._open[request_id] = _OpenRequest(rank)
+        self.owners.claim(owner, request_id)
+        reply = self._forward(link, frame)
+
+        def settle(value: bytes | memoryview | None, _: BaseException | None) -> None:
+            if self._open.get(request_id) is not entry:
+                return  # released, or closed by the worker's death, meanwhile
+            if value is not None and reply_error(value) is None:
+                entry.confirmed = True
+            else:
+                del self._open[request_id]
+                self.owners.drop(request_id)
+
+        reply.then(settle)
+        return self._answer(request, reply)
+
+    def _release(self, request: Release, owner: Owner | None, frame: bytes) -> Reply:
+        self.owners.drop(request.request_id)
+        entry = self._open.pop(request.request_id, None)
+        if entry is None:
+            raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
+        return self._answer(request, self._forward(self._link(entry.rank), frame))
+
+    def _release_orphan(self, request_id: RequestId) -> None:
+        entry = self._open.pop(request_id, None)
+        link = self._links(entry.rank) if entry is not None else None
+        if link is not None:
+            link.request(_encoder.encode(Release(request_id=request_id)))
+
+    def _forward_to_rank(
+        self, request: Snapshot | PoolInfoRequest | Checksum, owner: Owner | None, frame: bytes
+    ) -> Reply:
+        link = self._link(self._rank(request.rank))
+        self._check_room(link)
+        return self._answer(request, self._forward(link, frame))
+
+    # -- reset -------------------------------------------------------------------------------
+
+    def _reset(self, request: Reset, owner: Owner | None, frame: bytes) -> Reply:
+        targets = list(self._ranks) if request.rank is None else [self._rank(request.rank)]
+        links = [self._link(rank) for rank in targets]  # unavailable: nothing is reset
+        if not request.force:
+            busy = [(rank, n) for rank in targets if (n := self.open_requests(rank))]
+            if busy:
+                raise CacheError(
+                    "busy",
+                    f"{sum(n for _, n in busy)} open request(s) pin blocks on rank(s) "
+                    f"{', '.join(str(rank) for rank, _ in busy)}; release them or pass force",
+                )
+        # Checked here against every request this side forwarded (a superset of what the
+        # workers hold): each worker resets at once, none refuses.
+        started = time.perf_counter()
+        replies = _gather(
+            [
+                link.request(_encoder.encode(Reset(rank=rank, force=True)))
+                for rank, link in zip(targets, links, strict=True)
+            ]
+        )
+        for request_id, entry in list(self._open.items()):
+            if entry.rank in targets and entry.confirmed:
+                del self._open[request_id]
+
+        def merge(frames: list[zmq.Frame]) -> bytes:
+            markers: list[Marker] = []
+            for reply in frames:
+                markers += decode_ok(reply, ResetReply).markers
+            elapsed = time.perf_counter() - started
+            self._metrics.reset_done(elapsed)
+            log.info(
+                "reset rank(s) %s in %.0f us: markers %s",
+                ", ".join(map(str, targets)),
+                elapsed * 1e6,
+                ", ".join(f"{m.rank}:{m.seq}" for m in markers),
+            )
+            return ok_reply(request.id, ResetReply(markers))
+
+        return self._answer(request, replies.map(merge))
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _rank(self, rank: int | None) -> int:
+        """The rank named; None names the first rank served."""
+        ranks = self._ranks
+        if rank is None:
+            return ranks[0]
+        if rank not in ranks:
+            served = f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]}..{ranks[-1]}"
+            raise CacheError("bad_request", f"rank: {rank} is not served (ranks: {served})")
+        return rank
+
+    def _link(self, rank: int) -> RankLink:
+        link = self._links(rank)
+        if link is None:
+            raise CacheError("unavailable", f"rank {rank} is restarting: retry shortly")
+        return link
+
+    @staticmethod
+    def _check_room(link: RankLink) -> None:
+        if link.in_flight >= MAX_IN_FLIGHT:
+            raise CacheError(
+                "busy",
+                f"rank {link.rank} has {link.in_flight} requests in flight: read their replies",
+            )
+
+    @staticmethod
+    def _forward(link: RankLink, frame: bytes) -> Pending[bytes | memoryview]:
+        return link.request(frame).map(_reply_bytes)
+
+    def _to_all(self, requests: list[tuple[int, bytes]]) -> Pending[list[zmq.Frame]]:
+        links = [self._link(rank) for rank, _ in requests]
+        return _gather(
+            [link.request(body) for link, (_, body) in zip(links, requests, strict=True)]
+        )
+
+    def _answer(self, request: Request, reply: Pending[Any]) -> Pending[bytes | memoryview]:
+        """The reply to come, or the error reply for the way ``reply`` failed."""
+        answer: Pending[bytes | memoryview] = Pending()
+
+        def settle(value: bytes | memoryview | None, exc: BaseException | None) -> None:
+            if exc is None:
+                assert value is not None
+                answer.resolve(value)
+            elif isinstance(exc, LinkLost):
+                answer.resolve(error_reply(request.id, "unavailable", str(exc)))
+            elif isinstance(exc, CacheError):
+                answer.resolve(error_reply(request.id, exc.code, exc.message))
+            else:
+                log.error("control: %s failed: %r", op_of(request), exc)
+                answer.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
+
+        reply.then(settle)
+        return answer
+
+
+def _reply_bytes(frame: zmq.Frame) -> bytes | memoryview:
+    return frame.bytes if len(frame) < COPY_BELOW else frame.buffer
+
+
+def _code_of(reply: bytes | memoryview | None) -> str | None:
+    return "internal" if reply is None else reply_error(reply)
+
+
+def _gather(replies: list[Pending[zmq.Frame]]) -> Pending[list[zmq.Frame]]:
+    """Every reply, in order, once all came; the first failure otherwise."""
+    gathered: Pending[list[zmq.Frame]] = Pending()
+    values: list[zmq.Frame | None] = [None] * len(replies)
+    left = [len(replies)]
+
+    def arrived(index: int) -> Callable[[zmq.Frame | None, BaseException | None], None]:
+        def settle(value: zmq.Frame | None, error: BaseException | None) -> None:
+            if error is not None:
+                gathered.fail(error)
+                return
+            values[index] = value
+            left[0] -= 1
+            if not left[0]:
+                gathered.resolve([v for v in values if v is not None])
+
+        return settle
+
+    if not replies:
+        gathered.resolve([])
+    for index, reply in enumerate(replies):
+        reply.then(arrived(index))
+    return gathered
