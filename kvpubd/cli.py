@@ -188,7 +188,8 @@ def serve(
     import zmq
 
     from kvpubd.daemon import logs, serve_config
-    from kvpubd.daemon.service import StartupError, TaskFailed, run
+    from kvpubd.daemon.process_service import run
+    from kvpubd.daemon.service import StartupError, TaskFailed
     from kvpubd.daemon.settings import ConfigError
 
     try:

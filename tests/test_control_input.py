@@ -99,10 +99,7 @@ def replies_before_fence(sock: zmq.Socket[bytes], envelope: list[bytes] | None =
     sock.send_multipart([b"", pack({"op": "ping", "id": fence_id})])
     before: list[Any] = []
     while True:
-        if before or not envelope:
-            reply = recv_map(sock)
-        else:
-            reply = recv_map(sock, envelope=envelope)
+        reply = recv_map(sock, envelope=None if before else envelope)
         if isinstance(reply, dict) and reply.get("id") == fence_id:
             assert reply["ok"] is True, reply
             return before

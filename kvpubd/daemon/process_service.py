@@ -29,7 +29,7 @@ import zmq
 
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Handler, StartupError
-from kvpubd.daemon.endpoint_lock import check_owner_only, make_parents
+from kvpubd.daemon.endpoint_lock import check_owner_only, ipc_path, lock_path, make_parents
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import RequestOwners
 from kvpubd.daemon.rank_front import RankFront, decode_ok
@@ -39,7 +39,7 @@ from kvpubd.daemon.rank_worker import WorkerSpec
 from kvpubd.daemon.service import Service
 from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.control import Ping, PingReply, RankStats, Stats, StatsReply
-from kvpubd.protocol.endpoints import default_runtime_dir
+from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
 
 log = logging.getLogger("kvpubd")
 
@@ -82,6 +82,7 @@ class ProcessService(Service):
         self._links: dict[int, RankLink] = {}
         self._deaths: dict[int, deque[float]] = {r: deque() for r in settings.cache.ranks}
         self._known_stats: dict[int, RankStats] = {}
+        self._restarting: dict[int, asyncio.Task[None]] = {}
         self._private_dir: Path | None = None
         self._zmq: zmq.Context[zmq.Socket[bytes]] | None = None
         super().__init__(settings, reload_settings, start_lines)
@@ -193,6 +194,9 @@ class ProcessService(Service):
         )
 
     async def _stop_ranks(self) -> None:
+        for task in self._restarting.values():
+            task.cancel()
+        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
         timeout = self.settings.service.linger_ms / 1000 + STOP_GRACE_S
         processes = list(self._processes.values())
         statuses = await asyncio.gather(
@@ -231,6 +235,7 @@ class ProcessService(Service):
             deaths.popleft()
         allowed = self.settings.service.rank_restarts
         if len(deaths) > allowed:
+            self._remove_socket_files(rank)
             self._fail(
                 f"rank {rank} worker",
                 WorkerDied(
@@ -240,7 +245,25 @@ class ProcessService(Service):
             )
             return
         delay = RESTART_DELAY_S * 2 ** (len(deaths) - 1)
-        self._spawn(self._restart(rank, delay), f"rank {rank} restart")
+        # Not a supervised task: it ends once the worker runs again.
+        self._restarting[rank] = asyncio.create_task(
+            self._restart(rank, delay), name=f"kvpubd rank {rank} restart"
+        )
+
+    def _remove_socket_files(self, rank: int) -> None:
+        """What a killed worker left of its ipc sockets, where no worker takes it over (a new
+        one would: its lock tells a dead owner's files from a live one's)."""
+        for endpoint in self._rank_ipc_endpoints(rank):
+            path = ipc_path(endpoint)
+            lock = lock_path(endpoint, default_runtime_dir())
+            for leftover in (path, lock):
+                if leftover is not None:
+                    leftover.unlink(missing_ok=True)
+
+    def _rank_ipc_endpoints(self, rank: int) -> list[str]:
+        events = self.settings.events
+        bases = (events.endpoint, events.replay_endpoint, events.snapshot_endpoint)
+        return [rank_endpoint(base, rank) for base in bases if base.startswith("ipc://")]
 
     async def _restart(self, rank: int, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -249,6 +272,9 @@ class ProcessService(Service):
         except WorkerFailed as exc:
             log.error("%s", exc)
             self._worker_exited(rank, -1)
+            return
+        except Exception as exc:  # a bug: the service cannot go on without the rank
+            self._fail(f"rank {rank} restart", exc)
             return
         log.warning("rank %d: worker started again (its first batch is AllBlocksCleared)", rank)
 
@@ -310,6 +336,24 @@ async def _settled(pending: Any) -> Any:
     return await future
 
 
+def run(
+    settings: Settings,
+    reload_settings: Callable[[], Settings] | None = None,
+    start_lines: list[str] | None = None,
+) -> None:
+    """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
+    service = create_service(settings, reload_settings, start_lines)
+    if settings.service.loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+            log.warning("uvloop is not installed; using the asyncio loop")
+        else:
+            uvloop.run(service.serve())
+            return
+    asyncio.run(service.serve())
+
+
 def create_service(
     settings: Settings,
     reload_settings: Callable[[], Settings] | None = None,
@@ -326,4 +370,10 @@ def uses_rank_processes(settings: Settings) -> bool:
     return mode == "on" or (mode == "auto" and len(settings.cache.ranks) > 1)
 
 
-__all__: Sequence[str] = ["ProcessService", "WorkerDied", "create_service", "uses_rank_processes"]
+__all__: Sequence[str] = [
+    "ProcessService",
+    "WorkerDied",
+    "create_service",
+    "run",
+    "uses_rank_processes",
+]

@@ -58,7 +58,7 @@ from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
 
 log = logging.getLogger("kvpubd")
 
-__all__ = ["Service", "StartupError", "TaskFailed", "WorkerRole", "run"]
+__all__ = ["Service", "StartupError", "TaskFailed", "WorkerRole"]
 
 DRAIN_TASK = "drain loop"
 
@@ -522,23 +522,3 @@ def _attempt(what: str, step: Callable[[], Any]) -> Any:
     except Exception:
         log.exception("shutdown: %s failed", what)
         return None
-
-
-def run(
-    settings: Settings,
-    reload_settings: Callable[[], Settings] | None = None,
-    start_lines: list[str] | None = None,
-) -> None:
-    """Run the daemon until SIGTERM/SIGINT, on uvloop unless configured otherwise."""
-    from kvpubd.daemon.process_service import create_service
-
-    service = create_service(settings, reload_settings, start_lines)
-    if settings.service.loop == "uvloop":
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-            log.warning("uvloop is not installed; using the asyncio loop")
-        else:
-            uvloop.run(service.serve())
-            return
-    asyncio.run(service.serve())

@@ -1,0 +1,367 @@
+"""A service of rank processes (``service.rank_processes``), against the real daemon: one
+parent owning the control socket, one worker process per rank. Clients see one daemon; a
+worker that dies or hangs is started again (its seqs go on, its first batch is
+AllBlocksCleared) or stops the service by the restart policy; SIGTERM publishes every rank's
+captured events; nothing is left behind (socket files, shared memory, the private directory),
+however the service ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvpubd.client import ControlClient, ControlError
+from kvpubd.daemon.pool import pool_segment_name
+from kvpubd.protocol.endpoints import rank_endpoint
+from kvpubd.protocol.wire import unpack_seq
+from kvpubd.tools.launcher import free_tcp_ports
+from tests.daemon import Daemon, wait_for
+from tests.streams import prompt
+from tests.test_metrics import samples, scrape, value
+
+pytestmark = pytest.mark.daemon_process
+
+RANKS = 2
+Batch = tuple[int, list[Any]]  # (seq, events as decoded maps)
+
+
+def service(tmp_overrides: dict[str, dict[str, Any]] | None = None) -> Daemon:
+    overrides: dict[str, dict[str, Any]] = {
+        "cache": {"data_parallel_size": RANKS},
+        "service": {"rank_processes": "on"},
+    }
+    for section, values in (tmp_overrides or {}).items():
+        overrides.setdefault(section, {}).update(values)
+    return Daemon(overrides)
+
+
+@pytest.fixture
+def started() -> Iterator[Daemon]:
+    daemon = service().start(timeout=60)
+    try:
+        yield daemon
+    finally:
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
+
+
+class RankStream:
+    """One rank's live batches, from a SUB socket joined before anything the test checks."""
+
+    def __init__(self, daemon: Daemon, rank: int, context: zmq.Context[zmq.Socket[bytes]]):
+        self.rank = rank
+        self.sock = context.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(rank_endpoint(daemon.events_endpoint, rank))
+        self.batches: list[Batch] = []
+
+    def join(self, client: ControlClient) -> None:
+        """Reset the rank until a marker arrives: from then on nothing is missed."""
+
+        def marker_seen() -> bool:
+            client.reset(rank=self.rank, force=True)
+            return self.sock.poll(50) != 0
+
+        wait_for(marker_seen, timeout=20, what=f"rank {self.rank}'s first batch")
+        self.batches.clear()
+        self.drain()
+
+    def drain(self, wait_ms: int = 0) -> list[Batch]:
+        got: list[Batch] = []
+        while self.sock.poll(wait_ms):
+            _, seq, payload = self.sock.recv_multipart()
+            got.append((unpack_seq(seq), msgpack.unpackb(payload)[1]))
+            wait_ms = 0
+        self.batches += got
+        return got
+
+    def until(self, predicate: Callable[[list[Batch]], bool], what: str) -> list[Batch]:
+        def seen() -> bool:
+            self.drain(20)
+            return predicate(self.batches)
+
+        wait_for(seen, timeout=20, what=f"rank {self.rank}: {what}")
+        return self.batches
+
+
+def replay(
+    daemon: Daemon, rank: int, start: int, context: zmq.Context[zmq.Socket[bytes]]
+) -> list[Batch]:
+    """The batches the rank's replay socket holds from ``start`` on."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(rank_endpoint(daemon.replay_endpoint, rank))
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    batches: list[Batch] = []
+    while True:
+        assert sock.poll(10_000), "no replay reply"
+        _, _, seq, payload = sock.recv_multipart()
+        if not payload:
+            sock.close()
+            return batches
+        batches.append((unpack_seq(seq), msgpack.unpackb(payload)[1]))
+
+
+def kinds(batches: list[Batch]) -> list[str]:
+    return [event["type"] for _, events in batches for event in events]
+
+
+def workers(daemon: Daemon) -> dict[int, int]:
+    """Rank -> pid of its worker, from the service's log (the last start of each)."""
+    pids: dict[int, int] = {}
+    for line in daemon.log().splitlines():
+        if ": worker pid " in line:
+            head, _, tail = line.partition(": worker pid ")
+            rank = int(head.rpartition("rank ")[2])
+            pids[rank] = int(tail.partition(";")[0])
+    return pids
+
+
+def shm_segments(daemon: Daemon) -> set[str]:
+    """The daemon's pool segments that exist now."""
+    shm = Path("/dev/shm")
+    names = {pool_segment_name(daemon.control_endpoint, rank) for rank in range(RANKS)}
+    return {name for name in names if (shm / name).exists()}
+
+
+def test_one_service_answers_for_every_rank(started: Daemon) -> None:
+    daemon = started
+    with daemon.client() as client:
+        ping = client.ping()
+        assert ping.ranks == RANKS
+        assert [e.rank for e in ping.endpoints] == [0, 1]
+        assert [e.events for e in ping.endpoints] == [
+            rank_endpoint(daemon.events_endpoint, r) for r in range(RANKS)
+        ]
+        pids = workers(daemon)
+        assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2
+        assert daemon.proc is not None and daemon.proc.pid not in pids.values()
+
+        tokens = prompt(1, 3)
+        first = client.store("a", tokens, rank=1)
+        assert first.rank == 1 and len(first.block_ids) == 3
+        # Request ids are unique across ranks, though each rank lives in its own process.
+        with pytest.raises(ControlError) as duplicate:
+            client.store("a", tokens, rank=0)
+        assert duplicate.value.code == "duplicate_request"
+        # A reset of every rank is refused for the open request of one, and resets none.
+        before = [r.resets for r in client.stats().ranks]
+        with pytest.raises(ControlError) as busy:
+            client.reset()
+        assert busy.value.code == "busy" and "rank(s) 1" in busy.value.message
+        assert [r.resets for r in client.stats().ranks] == before
+        assert client.release("a").released == 3
+        with pytest.raises(ControlError) as unknown:
+            client.release("a")
+        assert unknown.value.code == "unknown_request"
+        stats = client.stats()
+        assert [r.rank for r in stats.ranks] == [0, 1]
+        assert stats.ranks[1].blocks_cached == 3 and stats.ranks[0].blocks_cached == 0
+        assert stats.epoch == ping.epoch
+        snapshot = client.snapshot(rank=1)
+        assert len(snapshot.events) == 3
+        with pytest.raises(ControlError) as unserved:
+            client.store("b", tokens, rank=RANKS)
+        assert unserved.value.code == "bad_request"
+        assert client.pause().paused and client.stats().paused
+        assert not client.resume().paused
+
+
+def test_a_reset_of_every_rank_is_on_each_ranks_wire_before_it_returns(started: Daemon) -> None:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with started.client() as client:
+            streams = [RankStream(started, r, context) for r in range(RANKS)]
+            for stream in streams:
+                stream.join(client)
+            client.pause()  # nothing goes out by the periodic drain: only the reset sends
+            for rank in range(RANKS):
+                client.store(f"r{rank}", prompt(10 + rank, 2), rank=rank)
+                client.release(f"r{rank}")
+            markers = client.reset().markers
+            assert [m.rank for m in markers] == [0, 1]
+            for stream, marker in zip(streams, markers, strict=True):
+                # Already there: the reply came after each worker handed its marker to ZeroMQ.
+                got = stream.drain(wait_ms=2000)
+                assert got, f"rank {stream.rank}: nothing published"
+                assert got[-1][0] == marker.seq
+                assert kinds(got)[-2:] == ["BlockStored", "AllBlocksCleared"]
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_killed_worker_is_started_again_and_its_seqs_go_on(started: Daemon) -> None:
+    daemon = started
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with daemon.client() as client:
+            streams = [RankStream(daemon, r, context) for r in range(RANKS)]
+            for stream in streams:
+                stream.join(client)
+            client.store("kept", prompt(20, 2), rank=0)
+            client.store("lost", prompt(21, 2), rank=1)
+            last = [
+                s.until(lambda b: "BlockStored" in kinds(b), "the store")[-1][0] for s in streams
+            ]
+            old = workers(daemon)
+            os.kill(old[1], signal.SIGKILL)
+
+            wait_for(lambda: workers(daemon).get(1) not in (None, old[1]), 30, "a new worker")
+            # seq_origin "continue": the new run's first batch is the next seq, no gap, no
+            # reuse; its marker may have gone out before the SUB reconnected: replay has it.
+            first = wait_for(lambda: client.stats().ranks[1].first_seq, 10, "rank 1's stats")
+            assert first == last[1] + 1
+            replayed = replay(daemon, 1, first, context)
+            assert replayed[0][0] == first and kinds(replayed[:1]) == ["AllBlocksCleared"]
+
+            # The dead worker's open request died with it; the other rank kept everything.
+            with pytest.raises(ControlError) as gone:
+                client.release("lost")
+            assert gone.value.code == "unknown_request"
+            assert client.release("kept").released == 2
+            stats = client.stats()
+            assert stats.ranks[0].blocks_cached == 2 and stats.ranks[1].blocks_cached == 0
+            assert workers(daemon)[0] == old[0]
+            assert client.ping().epoch == daemon.epoch  # one service: its epoch stays
+            stored = client.store("again", prompt(21, 2), rank=1)
+            assert stored.num_cached_tokens == 0
+            client.release("again")
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_hung_worker_is_killed_and_started_again() -> None:
+    daemon = service({"service": {"rank_hang_timeout_s": 1.0}}).start(timeout=60)
+    try:
+        old = workers(daemon)
+        os.kill(old[0], signal.SIGSTOP)  # alive, but its loop never turns
+        wait_for(lambda: workers(daemon).get(0) not in (None, old[0]), 30, "a new worker")
+        assert "answered no ping" in daemon.log()
+        with daemon.client() as client:
+            assert client.reset(rank=0).markers[0].rank == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(old[0], 0)
+    finally:
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
+
+
+def test_past_the_restart_policy_the_service_stops_with_an_error() -> None:
+    daemon = service({"service": {"rank_restarts": 0}}).start(timeout=60)
+    try:
+        pids = workers(daemon)
+        os.kill(pids[1], signal.SIGKILL)
+        assert daemon.proc is not None
+        status = daemon.proc.wait(30)
+        assert status != 0
+        assert "rank 1's worker died 1 time(s)" in daemon.log()
+        # The other worker stopped too, and nothing is left of either.
+        with pytest.raises(ProcessLookupError):
+            os.kill(pids[0], 0)
+        assert not shm_segments(daemon)
+        assert not [p for p in daemon.dir.iterdir() if p.name.startswith(("events", "replay"))]
+    finally:
+        daemon.cleanup()
+
+
+def test_sigterm_publishes_what_every_rank_captured_and_leaves_nothing() -> None:
+    daemon = service({"events": {"tick_interval_ms": 60_000}}).start(timeout=60)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with daemon.client() as client:
+            streams = [RankStream(daemon, r, context) for r in range(RANKS)]
+            for stream in streams:
+                stream.join(client)
+            pids = workers(daemon)
+            for rank in range(RANKS):
+                client.store(f"t{rank}", prompt(30 + rank, 3), rank=rank)
+                client.release(f"t{rank}")
+        assert len(shm_segments(daemon)) == RANKS  # the pools exist while it runs
+        assert daemon.stop() == 0
+        for stream in streams:
+            got = stream.drain(wait_ms=2000)
+            assert "BlockStored" in kinds(got), f"rank {stream.rank}: the last batch was lost"
+        for pid in pids.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert not shm_segments(daemon)
+        assert not [p for p in daemon.dir.iterdir() if p.name.startswith(("events", "replay"))]
+        assert "published the last batch" in daemon.log()
+    finally:
+        context.destroy(linger=0)
+        daemon.cleanup()
+
+
+def test_workers_stop_when_the_service_is_killed() -> None:
+    daemon = service().start(timeout=60)
+    try:
+        pids = workers(daemon)
+        assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+
+        def gone() -> bool:
+            for pid in pids.values():
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    continue
+                return False
+            return True
+
+        wait_for(gone, 30, "the workers to stop")
+        assert not shm_segments(daemon)
+        assert not [p for p in daemon.dir.iterdir() if p.name.startswith(("events", "replay"))]
+        # A new service starts on the same endpoints at once: nothing holds them.
+        daemon.start(timeout=60)
+        with daemon.client() as client:
+            assert client.ping().ranks == RANKS
+    finally:
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
+
+
+def test_sighup_reaches_every_worker(started: Daemon) -> None:
+    config = started.config_path.read_text().replace('log_level = "debug"', 'log_level = "info"')
+    started.config_path.write_text(config)
+    assert started.proc is not None
+    started.proc.send_signal(signal.SIGHUP)
+    for rank in range(RANKS):
+        line = f"kvpubd rank {rank}: SIGHUP: log level info"
+        wait_for(lambda line=line: line in started.log(), 10, f"rank {rank}'s reload")  # type: ignore[misc]
+
+
+def test_one_scrape_counts_every_rank() -> None:
+    port = free_tcp_ports(1)[0]
+    daemon = service({"metrics": {"port": port}}).start(timeout=60)
+    try:
+        with daemon.client() as client:
+            for rank in range(RANKS):
+                client.store(f"m{rank}", prompt(40 + rank, rank + 1), rank=rank)
+            client.reset(force=True)
+            url = f"http://127.0.0.1:{port}/metrics"
+            found = samples(scrape(url)[1])
+            for rank in range(RANKS):
+                labels = {"rank": str(rank)}
+                assert value(found, "kvpubd_resets_total", **labels) == 1
+                assert (
+                    value(found, "kvpubd_events_published_total", type="BlockStored", **labels) == 1
+                )
+                assert value(found, "kvpubd_blocks_cached", **labels) == 0
+            assert value(found, "kvpubd_control_requests_total", op="reset") == 1
+            assert value(found, "kvpubd_reset_duration_seconds_count") == 1
+            health = scrape(f"http://127.0.0.1:{port}/healthz")[1]
+            assert health == "ok\n"
+    finally:
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
