@@ -327,3 +327,44 @@ def bench_blockpool(
             f"{vllm['stored_blocks']:,} / {ours['stored_blocks']:,}",
         )
     Console().print(table)
+
+
+def beside_vllm(
+    requests: int, hash_algorithm: HashAlgorithm, num_blocks: int, daemon_us_per_block: float | None
+) -> dict[str, Any]:
+    """For ``bench throughput --against-vllm``: vLLM's BlockPool on the same prompts and hash,
+    in the bench's process, and ``vllm_us_per_block / daemon_cpu_us_per_block``; or
+    ``{"skipped": why}`` without vLLM's files (a note on stderr)."""
+    reason = skip_reason()
+    if reason is not None:
+        err.print(f"kvpubd: {reason}")
+        return {"skipped": reason}
+    with err.status(f"{requests} requests through vLLM's BlockPool"):
+        vllm = measure_vllm(make_prompts(requests), hash_algorithm, num_blocks)
+    us = vllm["us_per_block"]
+    return {
+        "vllm_version": vllm["vllm_version"],
+        "vllm_us_per_block": us,
+        "vllm_blocks_per_s": vllm["blocks_per_s"],
+        "vllm_stored_blocks": vllm["stored_blocks"],
+        "ratio": round(us / daemon_us_per_block, 3) if us and daemon_us_per_block else None,
+    }
+
+
+def print_beside_vllm(row: dict[str, Any]) -> None:
+    if "skipped" in row:
+        return
+    table = Table(
+        title=f"beside vLLM {row['vllm_version'] or ''} BlockPool (same prompts and hash, "
+        "in the bench's process)",
+        caption="ratio: vLLM CPU us per stored block / the daemon's",
+    )
+    for column in ("vLLM us/block", "vLLM blocks/s", "vLLM stored blocks", "vLLM / daemon"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{row['vllm_us_per_block']}",
+        f"{row['vllm_blocks_per_s']:,}",
+        f"{row['vllm_stored_blocks']:,}",
+        f"{row['ratio']}x",
+    )
+    Console().print(table)
