@@ -201,8 +201,7 @@ def _stand_ins() -> dict[str, types.ModuleType]:
     modules["vllm.envs"] = _envs_module()
     modules["vllm"].envs = modules["vllm.envs"]  # type: ignore[attr-defined]
     module("vllm.logger", init_logger=_init_logger)
-    module("vllm.config", VllmConfig=_absent("VllmConfig"))
-    modules["vllm.config"].__path__ = []
+    modules["vllm.config"].VllmConfig = _absent("VllmConfig")  # type: ignore[attr-defined]
     module("vllm.config.kv_events", KVEventsConfig=vllm_source.KVEventsConfig)
     modules["vllm.utils"].length_from_prompt_token_ids_or_embeds = _length_of_prompt  # type: ignore[attr-defined]
     module(
@@ -252,11 +251,6 @@ def _stand_ins() -> dict[str, types.ModuleType]:
         KVCacheMetricsCollector=_absent("KVCacheMetricsCollector"),
     )
     return modules
-
-
-def stand_in_names() -> list[str]:
-    """The modules that are stand-ins, not vLLM's files (for the report and the docs)."""
-    return sorted(_stand_ins())
 
 
 def load() -> VllmBlockPool:
