@@ -3,11 +3,14 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
-# The vLLM comparison reads vLLM 0.33's kv_events.py from $KVPUBD_VLLM_KV_EVENTS (default
-# .devvllm/kv_events.py; `kvpubd bench vllm-extract WHEEL` extracts it).
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
+# The vLLM comparisons (publisher, blockpool, throughput's --against-vllm) read vLLM's files from
+# $KVPUBD_VLLM_DIR (default .devvllm/: kv_events.py, block_pool.py and the rest; made on a host
+# with network by `KVPUBD_VLLM_DIR=.devvllm kvpubd bench vllm-extract WHEEL`); without them
+# those comparisons are skipped with a note.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export KVPUBD_VLLM_DIR=${KVPUBD_VLLM_DIR:-.devvllm}
 OUT=${OUT:-bench-out}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.devwheels}
 python3 -m pip install -q --no-index --find-links "$WHEELS" pyzmq pydantic pydantic-settings \
@@ -25,12 +28,16 @@ case "${1:-}" in
   under) $K bench reset --under "$2" --sizes 1000000 --resets "${3:-100}" --json > "$OUT/under-$2.json" ;;
   # snapshot [SIZES]: the snapshot endpoint, cold, warm and 8 clients at once (100k and 1M)
   snapshot) $K bench snapshot --sizes "${2:-100000,1000000}" --json > "$OUT/snapshot.json" ;;
-  # throughput [ALGORITHM]: cache.hash_algorithm, sha256 (default) or xxhash
-  throughput) $K bench throughput --hash-algorithm "${2:-sha256}" --json \
+  # throughput [ALGORITHM]: cache.hash_algorithm, sha256 (default) or xxhash; with vLLM's
+  # BlockPool on the same prompts and hash beside the daemon
+  throughput) $K bench throughput --hash-algorithm "${2:-sha256}" --against-vllm --json \
                   > "$OUT/throughput-${2:-sha256}.json" ;;
+  # blockpool [ALGORITHM]: vLLM's BlockPool and kvpubd's pipeline in process, sha256, xxhash
+  # or both (default)
+  blockpool) $K bench blockpool --hash-algorithm "${2:-both}" --json \
+                 > "$OUT/blockpool-${2:-both}.json" ;;
   # publisher [DECODERS [ROUNDS]]: decoding processes per stream (1: the decoder sets the rate)
-  publisher) KVPUBD_VLLM_KV_EVENTS=${KVPUBD_VLLM_KV_EVENTS:-.devvllm/kv_events.py} \
-                 $K bench publisher --against-vllm --decoders "${2:-1}" --rounds "${3:-7}" --json \
+  publisher) $K bench publisher --against-vllm --decoders "${2:-1}" --rounds "${3:-7}" --json \
                  > "$OUT/publisher-d${2:-1}.json" ;;
   paced) $K bench throughput --load-fraction 0.5 --load-fraction 0.9 --resets 100 --json \
              > "$OUT/paced.json" ;;
@@ -41,6 +48,6 @@ case "${1:-}" in
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
                      --hash-algorithm "${2:-sha256}" --json > "$OUT/ranks-apart-$r-${2:-sha256}.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
      exit 2 ;;
 esac

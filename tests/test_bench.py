@@ -11,7 +11,8 @@ from typing import Any, cast
 
 import pytest
 
-from kvpubd.tools.vllm_source import kv_events_path
+from kvpubd.tools.vllm_blockpool import missing_files
+from kvpubd.tools.vllm_source import DIR_ENV_VAR, ENV_VAR, kv_events_path
 
 # Each test runs a benchmark command end to end (seconds each, minutes together), with
 # daemons of its own: processes.
@@ -121,6 +122,40 @@ def test_bench_against_vllm_decodes_both_streams_with_vllms_types(decoders: int)
     assert result["kvpubd_blocks_per_s"] > 0 and result["vllm_blocks_per_s"] > 0
     assert result["kvpubd_cpu_us_per_block"] > 0 and result["vllm_cpu_us_per_block"] > 0
     assert all(0 < busy <= 1 for busy in result["decoder_busy"].values())
+
+
+def test_bench_throughput_against_vllm_still_measures_the_daemon_without_its_files(
+    tmp_path: Path,
+) -> None:
+    empty = tmp_path / "nothing-here"
+    env = {DIR_ENV_VAR: str(empty), ENV_VAR: str(empty / "kv_events.py")}
+    result = bench("throughput", "--requests", "10", "--window", "4", "--num-blocks", "4096",
+                   "--against-vllm", env=env)  # fmt: skip
+    assert result["blocks"] > 0 and result["daemon_cpu_us_per_block"] > 0
+    assert str(empty / "block_pool.py") in result["vllm_blockpool"]["skipped"]
+
+
+@pytest.mark.skipif(bool(missing_files()), reason="vLLM's files not extracted")
+def test_bench_throughput_against_vllm_sets_vllms_pool_beside_the_daemon() -> None:
+    result = bench("throughput", "--requests", "10", "--window", "4", "--num-blocks", "4096",
+                   "--hash-algorithm", "xxhash", "--against-vllm")  # fmt: skip
+    beside = result["vllm_blockpool"]
+    # The same prompts in a pool as large: the same blocks stored.
+    assert beside["vllm_stored_blocks"] == result["blocks"]
+    assert beside["ratio"] == pytest.approx(
+        beside["vllm_us_per_block"] / result["daemon_cpu_us_per_block"], abs=1e-3
+    )
+
+
+@pytest.mark.skipif(bool(missing_files()), reason="vLLM's files not extracted")
+def test_bench_blockpool_reports_both_hashes_and_their_ratios() -> None:
+    result = bench("blockpool", "--requests", "10", "--num-blocks", "8192")
+    rows = result["results"]
+    assert [row["hash_algorithm"] for row in rows] == ["sha256", "xxhash"]
+    for row in rows:
+        vllm, ours = row["vllm"], row["kvpubd"]
+        assert vllm["stored_blocks"] == ours["stored_blocks"] > 0
+        assert row["ratio"] == pytest.approx(vllm["us_per_block"] / ours["us_per_block"], abs=1e-3)
 
 
 @pytest.mark.parametrize("load", ["snapshot", "replay-flood", "big-store", "idle-conns"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from kvpubd.tools.bench_blockpool import bench_blockpool
 from kvpubd.tools.bench_index import bench_index
 from kvpubd.tools.bench_kernels_command import bench_kernels
 from kvpubd.tools.bench_publisher import bench_publisher, bench_vllm_extract
@@ -25,5 +26,6 @@ bench_app.command("index")(bench_index)
 bench_app.command("publisher")(bench_publisher)
 bench_app.command("vllm-extract")(bench_vllm_extract)
 bench_app.command("throughput")(bench_throughput)
+bench_app.command("blockpool")(bench_blockpool)
 bench_app.command("snapshot")(bench_snapshot)
 bench_app.command("soak")(bench_soak)

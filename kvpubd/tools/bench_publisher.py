@@ -232,14 +232,20 @@ def _bench_against_vllm(batches: int, rounds: int, decoders: int, as_json: bool)
 def bench_vllm_extract(
     wheel: Annotated[str, typer.Argument(help="A vLLM wheel (pip download vllm --no-deps).")],
 ) -> None:
-    """Copy vllm/distributed/kv_events.py out of a vLLM wheel to where --against-vllm looks."""
+    """Copy the vLLM files the comparisons load (kv_events.py, block_pool.py and what it runs
+    on) out of a vLLM wheel, unmodified, to where they are looked for: $KVPUBD_VLLM_DIR, else
+    ~/.cache/kvpubd/vllm/ ($KVPUBD_VLLM_KV_EVENTS for kv_events.py). Prints each file."""
     from pathlib import Path
 
     from kvpubd.tools import vllm_source
 
     try:
-        dest = vllm_source.extract_from_wheel(Path(wheel), vllm_source.kv_events_path())
-    except (OSError, KeyError, zipfile.BadZipFile) as exc:
-        err.print(f"kvpubd: cannot extract {vllm_source.WHEEL_MEMBER} from {wheel}: {exc}")
+        written = vllm_source.extract_from_wheel(Path(wheel))
+    except KeyError as exc:
+        err.print(f"kvpubd: {wheel} is not a vLLM wheel with the files needed: {exc}")
         raise typer.Exit(1) from None
-    typer.echo(str(dest))
+    except (OSError, zipfile.BadZipFile) as exc:
+        err.print(f"kvpubd: cannot extract vLLM's files from {wheel}: {exc}")
+        raise typer.Exit(1) from None
+    for path in written:
+        typer.echo(str(path))

@@ -225,6 +225,15 @@ def bench_throughput(
         ),
     ] = None,
     resets: Annotated[int, typer.Option(help="Resets timed per --load-fraction.")] = 50,
+    against_vllm: Annotated[
+        bool,
+        typer.Option(
+            "--against-vllm",
+            help="Also vLLM's own BlockPool on the same prompts and hash, in this process "
+            "(bench blockpool): its CPU us per stored block and its ratio to the daemon's. "
+            "Needs vLLM's files (see `kvpubd bench vllm-extract`).",
+        ),
+    ] = False,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -242,6 +251,12 @@ def bench_throughput(
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(
             requests, window, num_blocks, ranks, daemon_per_rank, hash_algorithm
+        )
+    if against_vllm:
+        from kvpubd.tools.bench_blockpool import beside_vllm
+
+        result["vllm_blockpool"] = beside_vllm(
+            requests, hash_algorithm, num_blocks, result["daemon_cpu_us_per_block"]
         )
     if load_fraction:
         from kvpubd.tools.bench_paced import measure_resets_under_load
@@ -278,6 +293,10 @@ def bench_throughput(
         f"{result['seconds']:.2f}",
     )
     Console().print(table)
+    if against_vllm:
+        from kvpubd.tools.bench_blockpool import print_beside_vllm
+
+        print_beside_vllm(result["vllm_blockpool"])
     if load_fraction:
         loaded = Table(title="reset -> marker received while storing at a fraction of capacity")
         for column in ("load", "stores/s (target)", "n", "p50 us", "p99 us", "max us"):
