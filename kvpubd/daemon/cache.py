@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpubd.daemon.encoded import EncodedArray
-from kvpubd.daemon.pool import create_pool
+from kvpubd.daemon.pool import create_pool, rank_device
 from kvpubd.daemon.radix import ROOT, RadixIndex
 from kvpubd.daemon.settings import CacheConfig
 from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
@@ -83,7 +83,7 @@ class RankCache:
     ) -> None:
         self.block_size = config.block_size
         self.pool = create_pool(
-            config.device,
+            rank_device(config, rank),
             config.num_blocks,
             config.block_bytes,
             config.scrub_on_free,

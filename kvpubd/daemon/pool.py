@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpubd.daemon import kernels
-from kvpubd.daemon.settings import ConfigError
+from kvpubd.daemon.settings import CacheConfig, ConfigError
 from kvpubd.protocol.control import PoolInfo
 
 log = logging.getLogger(__name__)
@@ -457,11 +457,26 @@ def create_pool(
     return CudaPool(num_blocks, block_bytes, scrub_on_free, int(device.split(":", 1)[1]))
 
 
+def cuda_device_count() -> int:
+    """GPUs CuPy sees here (0 without CuPy or a driver)."""
+    try:
+        return int(kernels._import_cupy().cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def rank_device(config: CacheConfig, rank: int) -> str:
+    """The device ``rank``'s pool lives on ("cpu" or "cuda:N"; see CacheConfig.device)."""
+    uses_count = config.device == "cuda" and not config.rank_devices
+    return config.device_of(rank, cuda_device_count() if uses_count else 0)
+
+
 def check_device(device: str) -> None:
-    """Raise ValueError with one clear line when ``device`` cannot be used here."""
+    """Raise ValueError with one clear line when ``device`` cannot be used here ("cuda":
+    when no GPU can)."""
     if device == "cpu":
         return
-    index = int(device.split(":", 1)[1])
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
     try:
         cupy = kernels._import_cupy()
     except kernels.KernelUnavailable:

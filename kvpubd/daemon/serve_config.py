@@ -84,5 +84,10 @@ def resolve(
         check_device(settings.cache.device)
     except ValueError as exc:
         raise ConfigError(f"cache.device: {exc}") from None
+    for device in settings.cache.rank_devices:
+        try:
+            check_device(device)
+        except ValueError as exc:
+            raise ConfigError(f"cache.rank_devices: {exc}") from None
     check_curve_settings(settings.control)
     return ServeConfig(path, level, kv_events, settings)

@@ -423,7 +423,7 @@ class Service:
         against /dev/shm (the more precise message), then everything against memory."""
         cache = self.settings.cache
         ranks = len(cache.ranks)
-        host_pool = cache.num_blocks * cache.block_bytes if cache.device == "cpu" else 0
+        host_pool = cache.num_blocks * cache.block_bytes if cache.on_host else 0
         if host_pool:
             names = [pool_segment_name(self.settings.control.endpoint, r) for r in cache.ranks]
             check_shm_space(

@@ -135,7 +135,11 @@ class ControlConfig(_Section):
 
 
 class CacheConfig(_Section):
+    # Where every rank's pool lives: "cpu" (POSIX shared memory), "cuda:N" (every rank on GPU
+    # N) or "cuda" (rank r on GPU r where the machine has a GPU for every rank served, else
+    # every rank on GPU 0). rank_devices, one per rank served, names each rank's own.
     device: str = "cpu"
+    rank_devices: list[str] = Field(default_factory=list)
     num_blocks: int = Field(1024, ge=1, le=1 << 31)
     block_size: int = Field(16, ge=1, le=4096)
     num_layers: int = Field(2, ge=1)
@@ -172,11 +176,41 @@ class CacheConfig(_Section):
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
-        if value == "cpu":
+        if value in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
             return value
-        if re.fullmatch(r"cuda:\d+", value):
-            return value
-        raise ValueError(f"{value!r} is not a device; use 'cpu' or 'cuda:N'")
+        raise ValueError(f"{value!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+
+    @field_validator("rank_devices")
+    @classmethod
+    def _check_rank_devices(cls, value: list[str]) -> list[str]:
+        for device in value:
+            if device != "cpu" and not re.fullmatch(r"cuda:\d+", device):
+                raise ValueError(f"{device!r} is not a device; use 'cpu' or 'cuda:N'")
+        if len({d == "cpu" for d in value}) > 1:
+            raise ValueError("every rank on the host or every rank on GPUs, not both")
+        return value
+
+    @model_validator(mode="after")
+    def _check_rank_device_count(self) -> CacheConfig:
+        if self.rank_devices and len(self.rank_devices) != self.data_parallel_size:
+            raise ValueError(
+                f"cache.rank_devices: {len(self.rank_devices)} device(s) for "
+                f"{self.data_parallel_size} rank(s); name one per rank served"
+            )
+        return self
+
+    @property
+    def on_host(self) -> bool:
+        """The pools are host memory (else GPU memory)."""
+        return (self.rank_devices[0] if self.rank_devices else self.device) == "cpu"
+
+    def device_of(self, rank: int, cuda_devices: int) -> str:
+        """Rank ``rank``'s device, on a machine with ``cuda_devices`` GPUs."""
+        if self.rank_devices:
+            return self.rank_devices[rank - self.data_parallel_start_rank]
+        if self.device != "cuda":
+            return self.device
+        return f"cuda:{rank}" if self.ranks[-1] < cuda_devices else "cuda:0"
 
     @property
     def block_bytes(self) -> int:
@@ -300,7 +334,7 @@ class Settings(BaseSettings):
     def medium(self) -> str:
         if self.events.medium is not None:
             return self.events.medium
-        return "CPU" if self.cache.device == "cpu" else "GPU"
+        return "CPU" if self.cache.on_host else "GPU"
 
 
 def load_settings(
