@@ -135,6 +135,8 @@ def sample(info: msgspec.inspect.Type) -> Any:
             return None
         case msgspec.inspect.ListType():
             return [sample(info.item_type), sample(info.item_type)]
+        case msgspec.inspect.DictType():
+            return {sample(info.key_type): sample(info.value_type)}
         case msgspec.inspect.VarTupleType():
             return (sample(info.item_type),)
         case msgspec.inspect.TupleType():

@@ -7,6 +7,7 @@ however the service ends."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -362,6 +363,43 @@ def test_one_scrape_counts_every_rank() -> None:
             health = scrape(f"http://127.0.0.1:{port}/healthz")[1]
             assert health == "ok\n"
     finally:
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_client_that_never_reads_cannot_queue_without_bound() -> None:
+    """What the service has in flight to one worker is capped: past the cap a request is
+    refused ``busy`` at once (resets excepted), and everything in flight is answered once the
+    worker runs again."""
+    from kvpubd.daemon.rank_front import MAX_IN_FLIGHT
+
+    daemon = service({"service": {"rank_hang_timeout_s": 3600}}).start(timeout=60)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pid = workers(daemon)[1]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # rank 1 answers nothing for now
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(daemon.control_endpoint)
+        for n in range(MAX_IN_FLIGHT + 1):
+            request = {"op": "store", "id": n, "request_id": n, "rank": 1, "token_ids": []}
+            sock.send_multipart([b"", msgpack.packb(request)])
+        assert sock.poll(20_000), "the request past the cap was not refused"
+        refused = msgpack.unpackb(sock.recv_multipart()[-1])
+        assert refused["id"] == MAX_IN_FLIGHT and refused["error"]["code"] == "busy"
+        with daemon.client() as client:  # other ranks, and the service, still answer
+            assert client.reset(rank=0).markers[0].rank == 0
+        os.kill(pid, signal.SIGCONT)
+        answered = 0
+        while answered < MAX_IN_FLIGHT:
+            assert sock.poll(20_000), f"{answered} of {MAX_IN_FLIGHT} answered"
+            assert msgpack.unpackb(sock.recv_multipart()[-1])["ok"]
+            answered += 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        context.destroy(linger=0)
         if daemon.alive():
             daemon.stop()
         daemon.cleanup()

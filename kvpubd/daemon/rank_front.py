@@ -62,6 +62,8 @@ R = TypeVar("R", bound=ControlReply)
 # Requests forwarded to one worker and not answered yet, past which more are refused ``busy``
 # (resets excepted): a client that pipelines without reading must not grow this process.
 MAX_IN_FLIGHT = 4096
+# ... and request bytes: 4096 stores of the largest size would be 16 GiB queued here.
+MAX_BYTES_IN_FLIGHT = 256 << 20
 # Replies passed on as their bytes below this size; larger ones (snapshots, checksums) go on
 # without a copy.
 COPY_BELOW = 64 << 10
@@ -322,10 +324,11 @@ class RankFront:
 
     @staticmethod
     def _check_room(link: RankLink) -> None:
-        if link.in_flight >= MAX_IN_FLIGHT:
+        if link.in_flight >= MAX_IN_FLIGHT or link.bytes_in_flight >= MAX_BYTES_IN_FLIGHT:
             raise CacheError(
                 "busy",
-                f"rank {link.rank} has {link.in_flight} requests in flight: read their replies",
+                f"rank {link.rank} has {link.in_flight} requests "
+                f"({link.bytes_in_flight >> 20} MiB) in flight: read their replies first",
             )
 
     @staticmethod

@@ -44,7 +44,8 @@ class RankLink:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(endpoint)
         self._fd: int | None = None
-        self._waiting: dict[bytes, Pending[zmq.Frame]] = {}
+        self._waiting: dict[bytes, tuple[Pending[zmq.Frame], int]] = {}
+        self.bytes_in_flight = 0
         self._ids = itertools.count()
         self._read_scheduled = False
         self._closed = False
@@ -71,7 +72,9 @@ class RankLink:
         send(correlation, _MORE)
         send(b"", _MORE)
         send(frame, _LAST, copy=not isinstance(frame, zmq.Frame))
-        self._waiting[correlation] = reply
+        size = len(frame)
+        self._waiting[correlation] = (reply, size)
+        self.bytes_in_flight += size
         self._rearm()
         return reply
 
@@ -85,7 +88,8 @@ class RankLink:
             self._fd = None
         self._sock.close(linger=0)
         waiting, self._waiting = self._waiting, {}
-        for pending in waiting.values():
+        self.bytes_in_flight = 0
+        for pending, _ in waiting.values():
             pending.fail(LinkLost(reason))
 
     def _read(self) -> None:
@@ -100,8 +104,10 @@ class RankLink:
             if len(frames) != 3 or frames[1].bytes != b"":
                 log.warning("rank %d: dropped a malformed reply from its worker", self.rank)
                 continue
-            pending = self._waiting.pop(frames[0].bytes, None)
-            if pending is not None:
+            waiting = self._waiting.pop(frames[0].bytes, None)
+            if waiting is not None:
+                pending, size = waiting
+                self.bytes_in_flight -= size
                 pending.resolve(frames[2])
             if self._closed:  # a receiver closed it
                 return
