@@ -16,6 +16,7 @@ from kvpubd.client.control import AsyncControlClient, ControlClient, ControlTime
 from kvpubd.client.mirror import Mirror, MirrorError
 from kvpubd.client.pool import MappedPool, map_pool
 from kvpubd.client.replies import (
+    BatchReply,
     ChecksumReply,
     ControlError,
     Marker,
@@ -29,6 +30,8 @@ from kvpubd.client.replies import (
     SnapshotReply,
     StatsReply,
     StoreReply,
+    release_request,
+    store_request,
 )
 from kvpubd.client.subscriber import (
     AsyncSubscriber,
@@ -45,6 +48,7 @@ __all__ = [
     "AllBlocksCleared",
     "AsyncControlClient",
     "AsyncSubscriber",
+    "BatchReply",
     "BlockRemoved",
     "BlockStored",
     "ChecksumReply",
@@ -73,5 +77,7 @@ __all__ = [
     "SubscriberError",
     "SubscriberTimeout",
     "map_pool",
+    "release_request",
     "replay",
+    "store_request",
 ]

@@ -206,6 +206,7 @@ class ControlClient(_Client[zmq.Context[zmq.Socket[bytes]]]):
     snapshot = _blocking(ops.snapshot)
     pool_info = _blocking(ops.pool_info)
     checksum = _blocking(ops.checksum)
+    batch = _blocking(ops.batch)
 
     def _run(self, call: Call[R]) -> R:
         return self._typed(call, self._exchange(*self._frame(call.request)))
@@ -273,6 +274,7 @@ class AsyncControlClient(_Client[zmq.asyncio.Context]):
     snapshot = _awaited(ops.snapshot)
     pool_info = _awaited(ops.pool_info)
     checksum = _awaited(ops.checksum)
+    batch = _awaited(ops.batch)
 
     async def _run(self, call: Call[R]) -> R:
         return self._typed(call, await self._exchange(*self._frame(call.request)))

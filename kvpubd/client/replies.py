@@ -14,6 +14,8 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from kvpubd.protocol.control import (
+    Batch,
+    BatchReply,
     Checksum,
     ChecksumReply,
     ControlError,
@@ -44,6 +46,7 @@ from kvpubd.protocol.control import (
 )
 
 __all__ = [
+    "BatchReply",
     "Call",
     "ChecksumReply",
     "ControlError",
@@ -85,6 +88,41 @@ def ping() -> Call[PingReply]:
 def stats() -> Call[StatsReply]:
     """The counters of every rank."""
     return Call(Stats(), StatsReply)
+
+
+def store_request(
+    request_id: RequestId,
+    token_ids: Sequence[int] | np.ndarray | bytes,
+    *,
+    rank: int | None = None,
+    lora_id: int | None = None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+) -> Store:
+    """A ``store`` as ``batch`` takes it (``store``'s parameters)."""
+    return store(
+        request_id,
+        token_ids,
+        rank=rank,
+        lora_id=lora_id,
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+    ).request  # type: ignore[return-value]
+
+
+def release_request(request_id: RequestId) -> Release:
+    """A ``release`` as ``batch`` takes it."""
+    return Release(request_id=request_id)
+
+
+def batch(requests: Sequence[Store | Release], rank: int | None = None) -> Call[BatchReply]:
+    """Several stores and releases in one message (``store_request``, ``release_request``;
+    at most 256), each handled as if sent alone, in order; ``rank`` is that of every store
+    naming none. The reply's ``replies`` are their reply maps in the same order: ``ok`` true
+    with the op's fields (``block_ids``, ``num_cached_tokens`` of a store, ``released`` of a
+    release), or false with the ``error``. Store tokens as NumPy arrays or packed bytes: they
+    travel as they are."""
+    return Call(Batch(rank=rank, requests=list(requests)), BatchReply)
 
 
 def store(

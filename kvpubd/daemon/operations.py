@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import msgpack
+import msgspec
 import numpy as np
 
 from kvpubd import __version__
@@ -29,6 +30,8 @@ from kvpubd.daemon.snapshot import Buffer, assemble
 from kvpubd.daemon.snapshot import Snapshot as SnapshotData
 from kvpubd.protocol.control import (
     REQUEST_TYPES,
+    Batch,
+    BatchReply,
     Checksum,
     ChecksumReply,
     ControlReply,
@@ -62,6 +65,10 @@ from kvpubd.protocol.hashing import token_count, tokens_array
 from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray, located
 
 log = logging.getLogger("kvpubd")
+
+# Time a batch's requests may take in one loop turn; its stores after that are queued and run
+# a slice per turn (as a large store is), so no batch holds the loop for long.
+BATCH_SYNC_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,8 @@ class Operations:
             self._release_orphan,
             control.orphan_grace_ms / 1000 if control.release_orphans else None,
         )
+        # Set while a batch has used its time in this loop turn: its later stores are queued.
+        self._queue_stores = False
 
     def handle(self, request: Request, owner: Owner | None = None, frame: bytes = b"") -> Reply:
         """The reply to one parsed request from ``owner`` (the client, where it can be told:
@@ -234,7 +243,7 @@ class Operations:
         else:
             tokens = token_ids
         # A longer list is decoded a slice per loop turn by the rank's store queue.
-        stored = pipeline.store(request, tokens)
+        stored = pipeline.store(request, tokens, queued=self._queue_stores)
         self.owners.claim(owner, request.request_id)
         if isinstance(stored, Pending):
             request_id = request.request_id
@@ -265,6 +274,33 @@ class Operations:
                 except CacheError as exc:  # closed meanwhile: nothing left to release
                     log.debug("release of orphan %r: %s", request_id, exc.message)
                 return
+
+    @handles(Batch)
+    def batch(self, request: Batch, owner: Owner | None) -> Encoded:
+        """Each request handled as if sent alone, in order; answered once all are."""
+        started = time.perf_counter()
+        replies: list[Reply] = []
+        try:
+            for entry in request.requests:
+                if time.perf_counter() - started > BATCH_SYNC_S:
+                    self._queue_stores = True
+                replies.append(self._batch_entry(request, entry, owner))
+        finally:
+            self._queue_stores = False
+        head = ok_reply_head(request.id, BatchReply([]))
+        head += msgpack.Packer().pack_array_header(len(replies))
+        return Encoded(_joined(head, replies))
+
+    def _batch_entry(self, batch: Batch, entry: Store | Release, owner: Owner | None) -> Reply:
+        if isinstance(entry, Store) and batch.rank is not None:
+            if entry.rank is None:
+                entry = msgspec.structs.replace(entry, rank=batch.rank)
+            elif entry.rank != batch.rank:
+                self._metrics.control("store", "bad_request")
+                return error_reply(
+                    entry.id, "bad_request", f"rank: {entry.rank}, in a batch of rank {batch.rank}"
+                )
+        return self.handle(entry, owner)
 
     @handles(Reset)
     def reset(self, request: Reset, owner: Owner | None) -> ResetReply:
@@ -337,6 +373,32 @@ class Operations:
         ids = await decode_in_slices(block_ids.decoder("block_ids", 0, pool.num_blocks - 1))
         head = ok_reply_head(request.id, ChecksumReply(pipeline.rank, []))
         return await checksum_reply(head, len(ids), pool.checksum_steps(ids))
+
+
+def _joined(head: bytes, replies: list[Reply]) -> Pending[bytes]:
+    """``head`` and every reply's bytes, once the last one came."""
+    joined: Pending[bytes] = Pending()
+    parts: list[bytes | None] = [r if isinstance(r, bytes) else None for r in replies]
+    waiting = [len([p for p in parts if p is None])]
+
+    def finish() -> None:
+        joined.resolve(head + b"".join(p for p in parts if p is not None))
+
+    def arrived(index: int) -> Callable[[bytes | memoryview | None, BaseException | None], None]:
+        def settle(value: bytes | memoryview | None, error: BaseException | None) -> None:
+            parts[index] = bytes(value) if value is not None else b""
+            waiting[0] -= 1
+            if not waiting[0]:
+                finish()
+
+        return settle
+
+    for index, reply in enumerate(replies):
+        if not isinstance(reply, bytes):
+            reply.then(arrived(index))
+    if not waiting[0]:
+        finish()
+    return joined
 
 
 # Every request type has its handler (checked once, at import).

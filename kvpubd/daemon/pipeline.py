@@ -167,11 +167,12 @@ class RankPipeline:
         return len(self.cache.leases)
 
     def store(
-        self, request: Store, tokens: np.ndarray | IntArray
+        self, request: Store, tokens: np.ndarray | IntArray, queued: bool = False
     ) -> StoreReply | Pending[StoreReply]:
         """The store's reply, or the one to come for a store done in slices (a large one, a
-        long token list still to decode, or any behind queued work). ``tokens``: the
-        request's, decoded (or located, to decode a slice per loop turn)."""
+        long token list still to decode, any behind queued work, or one ``queued`` by its
+        caller). ``tokens``: the request's, decoded (or located, to decode a slice per loop
+        turn)."""
         opened = len(self.cache.leases) + self._stores.stores_queued
         if opened >= self._max_open_requests:
             raise CacheError(
@@ -180,7 +181,8 @@ class RankPipeline:
                 "(control.max_open_requests): release some first",
             )
         if (
-            self._stores.busy
+            queued
+            or self._stores.busy
             or isinstance(tokens, IntArray)
             or len(tokens) // self.cache.block_size > SYNC_BLOCKS
         ):

@@ -32,6 +32,8 @@ from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.rank_link import LinkLost, RankLink
 from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.control import (
+    Batch,
+    BatchReply,
     Checksum,
     ControlReply,
     Marker,
@@ -53,6 +55,7 @@ from kvpubd.protocol.control import (
     Store,
     error_reply,
     ok_reply,
+    ok_reply_head,
     op_of,
 )
 
@@ -69,6 +72,13 @@ MAX_BYTES_IN_FLIGHT = 256 << 20
 COPY_BELOW = 64 << 10
 
 _encoder = msgspec.msgpack.Encoder()
+
+
+class _Replies(msgspec.Struct):
+    replies: list[msgspec.Raw]
+
+
+_replies_decoder = msgspec.msgpack.Decoder(_Replies)
 
 
 class _Status(msgspec.Struct):
@@ -149,6 +159,7 @@ class RankFront:
             Snapshot: self._forward_to_rank,
             PoolInfoRequest: self._forward_to_rank,
             Checksum: self._forward_to_rank,
+            Batch: self._batch,
         }
 
     # -- the control server's handler --------------------------------------------------------
@@ -204,9 +215,9 @@ class RankFront:
 
     def _pause(self, request: Pause | Resume, owner: Owner | None, frame: bytes) -> Reply:
         body = _encoder.encode(Pause() if isinstance(request, Pause) else Resume())
+        replies = self._to_all([(rank, body) for rank in self._ranks])  # all ranks, or none
         self.paused = isinstance(request, Pause)
         log.info("periodic drain %s on every rank", "paused" if self.paused else "resumed")
-        replies = self._to_all([(rank, body) for rank in self._ranks])
         return self._answer(
             request, replies.map(lambda _: ok_reply(request.id, PauseReply(self.paused)))
         )
@@ -231,13 +242,7 @@ class RankFront:
         reply = self._forward(link, frame)
 
         def settle(value: bytes | memoryview | None, _: BaseException | None) -> None:
-            if self._open.get(request_id) is not entry:
-                return  # released, or closed by the worker's death, meanwhile
-            if value is not None and reply_error(value) is None:
-                entry.confirmed = True
-            else:
-                del self._open[request_id]
-                self.owners.drop(request_id)
+            self._settle_store(request_id, entry, bytes(value) if value is not None else None)
 
         reply.then(settle)
         return self._answer(request, reply)
@@ -261,6 +266,86 @@ class RankFront:
         link = self._link(self._rank(request.rank))
         self._check_room(link)
         return self._answer(request, self._forward(link, frame))
+
+    # -- batch -------------------------------------------------------------------------------
+
+    def _batch(self, request: Batch, owner: Owner | None, frame: bytes) -> Reply:
+        """Each request to the worker of its rank (the batch whole where they all go to one),
+        checked here as it would be alone; the replies put back in the batch's order."""
+        replies: list[bytes | None] = []  # an entry's reply made here, None for a worker's
+        by_rank: dict[int, list[tuple[int, Store | Release, _OpenRequest | None]]] = {}
+        for index, entry in enumerate(request.requests):
+            try:
+                rank, opened = self._batch_route(request, entry, owner)
+            except CacheError as exc:
+                replies.append(error_reply(entry.id, exc.code, exc.message))
+                continue
+            replies.append(None)
+            by_rank.setdefault(rank, []).append((index, entry, opened))
+        # All to one worker, none refused here: the frame goes on as it came.
+        whole = len(by_rank) == 1 and all(r is None for r in replies)
+        sent: list[tuple[list[tuple[int, Store | Release, _OpenRequest | None]], Pending[Any]]]
+        sent = []
+        for rank, entries in by_rank.items():
+            link = self._links(rank)
+            assert link is not None  # checked by _batch_route
+            body = frame if whole else _encoder.encode(Batch(requests=[e for _, e, _ in entries]))
+            sent.append((entries, link.request(body)))
+        gathered = _gather([pending for _, pending in sent])
+
+        def merge(frames: list[zmq.Frame]) -> bytes:
+            for (entries, _), reply in zip(sent, frames, strict=True):
+                worker = decode_ok_raw(reply)
+                for (index, entry, opened), part in zip(entries, worker, strict=True):
+                    replies[index] = bytes(part)
+                    if opened is not None:
+                        self._settle_store(entry.request_id, opened, bytes(part))
+            head = ok_reply_head(request.id, BatchReply([]))
+            return b"".join([head, _array_header(len(replies)), *(r or b"" for r in replies)])
+
+        def forget(_: object, error: BaseException | None) -> None:
+            if error is not None:  # a worker died: its stores opened nothing
+                for entries, _ in sent:
+                    for _, entry, opened in entries:
+                        if opened is not None:
+                            self._settle_store(entry.request_id, opened, None)
+
+        gathered.then(forget)
+        return self._answer(request, gathered.map(merge))
+
+    def _batch_route(
+        self, batch: Batch, entry: Store | Release, owner: Owner | None
+    ) -> tuple[int, _OpenRequest | None]:
+        """The rank a batch's entry goes to, and the open request a store makes (CacheError
+        for what is refused here, as it would be alone)."""
+        if isinstance(entry, Release):
+            self.owners.drop(entry.request_id)
+            found = self._open.pop(entry.request_id, None)
+            if found is None:
+                raise CacheError("unknown_request", f"request {entry.request_id!r} is not open")
+            self._link(found.rank)
+            return found.rank, None
+        rank = self._rank(entry.rank if entry.rank is not None else batch.rank)
+        if batch.rank is not None and entry.rank is not None and entry.rank != batch.rank:
+            raise CacheError("bad_request", f"rank: {entry.rank}, in a batch of rank {batch.rank}")
+        if entry.request_id in self._open:
+            raise CacheError("duplicate_request", f"request {entry.request_id!r} is already open")
+        self._check_room(self._link(rank))
+        opened = self._open[entry.request_id] = _OpenRequest(rank)
+        self.owners.claim(owner, entry.request_id)
+        return rank, opened
+
+    def _settle_store(
+        self, request_id: RequestId, opened: _OpenRequest, reply: bytes | None
+    ) -> None:
+        """A store's reply came (None: it never will): confirmed open, or forgotten."""
+        if self._open.get(request_id) is not opened:
+            return  # released, or closed by the worker's death, meanwhile
+        if reply is not None and reply_error(reply) is None:
+            opened.confirmed = True
+        else:
+            del self._open[request_id]
+            self.owners.drop(request_id)
 
     # -- reset -------------------------------------------------------------------------------
 
@@ -336,6 +421,7 @@ class RankFront:
         return link.request(frame).map(_reply_bytes)
 
     def _to_all(self, requests: list[tuple[int, bytes]]) -> Pending[list[zmq.Frame]]:
+        """Each request to its rank's worker; nothing is sent unless every worker runs."""
         links = [self._link(rank) for rank, _ in requests]
         return _gather(
             [link.request(body) for link, (_, body) in zip(links, requests, strict=True)]
@@ -359,6 +445,19 @@ class RankFront:
 
         reply.then(settle)
         return answer
+
+
+def decode_ok_raw(frame: zmq.Frame) -> list[msgspec.Raw]:
+    """A worker's batch reply: each request's reply, as its bytes."""
+    if reply_error(frame.buffer) is not None:
+        decode_ok(frame, BatchReply)  # raises its error
+    return _replies_decoder.decode(frame.buffer).replies
+
+
+def _array_header(length: int) -> bytes:
+    if length < 16:
+        return bytes([0x90 | length])
+    return b"\xdc" + length.to_bytes(2, "big")
 
 
 def _reply_bytes(frame: zmq.Frame) -> bytes | memoryview:

@@ -77,6 +77,8 @@ class ServiceLink:
 
     def start(self) -> None:
         os.set_blocking(self._stdin, False)
+        # A pong must never block the loop (the service reads them as they come anyway).
+        os.set_blocking(self._stdout, False)
         loop = asyncio.get_running_loop()
         loop.add_reader(self._stdin, self._read)
         if self._buffer:

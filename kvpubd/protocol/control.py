@@ -102,8 +102,32 @@ class Checksum(ControlRequest, tag="checksum", frozen=True, kw_only=True):
     block_ids: IntList  # last, as token_ids
 
 
+# Requests one ``batch`` carries at most.
+MAX_BATCH_REQUESTS = 256
+
+
+class Batch(ControlRequest, tag="batch", frozen=True, kw_only=True):
+    """Several stores and releases in one message, as an engine has them at a scheduler step:
+    each is handled as if sent alone, in order (its own checks, limits and reply), and the
+    reply holds their replies in the same order. ``rank``: the rank of every store that names
+    none (one naming another rank is refused on its own)."""
+
+    rank: Rank | None = None
+    requests: Annotated[list[Store | Release], msgspec.Meta(max_length=MAX_BATCH_REQUESTS)]
+
+
 Request = (
-    Ping | Stats | Store | Release | Reset | Pause | Resume | Snapshot | PoolInfoRequest | Checksum
+    Ping
+    | Stats
+    | Store
+    | Release
+    | Reset
+    | Pause
+    | Resume
+    | Snapshot
+    | PoolInfoRequest
+    | Checksum
+    | Batch
 )
 REQUEST_TYPES: tuple[type[ControlRequest], ...] = get_args(Request)
 # The op names, in declaration order (for the unknown_op message).
@@ -213,6 +237,13 @@ class ResetReply(ControlReply, frozen=True):
     markers: list[Marker]  # one per rank reset
 
 
+class BatchReply(ControlReply, frozen=True):
+    """Each request's reply map, in the batch's order: ``{"ok": true, "id": ..., ...}`` with
+    its op's reply fields, or ``{"ok": false, "id": ..., "error": ...}``."""
+
+    replies: list[dict[str, Any]]
+
+
 class PauseReply(ControlReply, frozen=True):
     paused: bool  # whether the periodic drain is stopped now
 
@@ -260,6 +291,7 @@ REPLY_TYPES: dict[type[ControlRequest], type[ControlReply]] = {
     Snapshot: SnapshotReply,
     PoolInfoRequest: PoolInfo,
     Checksum: ChecksumReply,
+    Batch: BatchReply,
 }
 
 

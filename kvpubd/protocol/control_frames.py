@@ -20,6 +20,7 @@ from kvpubd.protocol.control import (
     INT_LIST_FIELDS,
     OPS,
     REQUEST_TYPES,
+    Batch,
     Checksum,
     Request,
     Store,
@@ -67,7 +68,9 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
         raise ProtocolError(
             "too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}", peek_id(frame)
         )
-    if len(frame) <= ONE_CALL_BYTES:
+    if len(frame) <= ONE_CALL_BYTES or _leading_op(frame) == "batch":
+        # A batch's token lists lie inside its requests, where the walk below does not go:
+        # decoded in one call (each list kept as its bytes), bounded by the frame's size.
         try:
             request = _decoder.decode(frame)
         except msgspec.DecodeError:
@@ -100,7 +103,12 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
 
 def _check_int_lists(request: Request, max_tokens: int) -> None:
     """An ``IntList`` field is an array (``token_ids``: or a bin); ``token_ids`` has at most
-    ``max_tokens`` items."""
+    ``max_tokens`` items (in each store of a batch too)."""
+    if isinstance(request, Batch):
+        for entry in request.requests:
+            if isinstance(entry, Store):
+                _check_int_lists(entry, max_tokens)
+        return
     if isinstance(request, Store):
         field, raw = "token_ids", request.token_ids
     elif isinstance(request, Checksum):
@@ -210,6 +218,19 @@ def _not_a_map(frame: bytes) -> str:
             return f"request is not one msgpack object: {exc}"
         return f"request must be a msgpack map, got {type(obj).__name__}"
     return "request must be a msgpack map"
+
+
+def _leading_op(frame: bytes) -> Any:
+    """The op of a request map whose first key is "op" (as clients encode it); None else."""
+    if not frame or not 0x80 <= frame[0] <= 0x8F:
+        return None
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64, max_str_len=32)
+    unpacker.feed(frame[: min(len(frame), 48)])
+    try:
+        unpacker.read_map_header()
+        return unpacker.unpack() == "op" and unpacker.unpack()
+    except Exception:
+        return None
 
 
 def peek_id(frame: bytes) -> Any:
