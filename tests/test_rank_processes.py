@@ -403,3 +403,28 @@ def test_a_client_that_never_reads_cannot_queue_without_bound() -> None:
         if daemon.alive():
             daemon.stop()
         daemon.cleanup()
+
+
+def test_a_batch_gets_the_same_replies_from_worker_processes() -> None:
+    """Split over the ranks' workers (or whole to one), a batch's replies are those of the
+    same batch in one process."""
+    from tests.test_batch import requests
+
+    replies = []
+    for mode in ("off", "on"):
+        daemon = service({"service": {"rank_processes": mode}}).start(timeout=60)
+        try:
+            with daemon.client() as client:
+                mixed = client._call("batch", requests=requests())
+                one_rank = client._call(
+                    "batch", rank=1, requests=[{"op": "release", "request_id": "b"}]
+                )
+                replies.append((mixed["replies"], one_rank["replies"], client.stats().ranks))
+        finally:
+            if daemon.alive():
+                daemon.stop()
+            daemon.cleanup()
+    (mixed_off, one_off, stats_off), (mixed_on, one_on, stats_on) = replies
+    assert mixed_on == mixed_off and one_on == one_off
+    assert one_on[0]["ok"] and one_on[0]["rank"] == 1
+    assert [s.blocks_cached for s in stats_on] == [s.blocks_cached for s in stats_off]
