@@ -99,15 +99,23 @@ def store_request(
     lora_name: str | None = None,
     cache_salt: str | None = None,
 ) -> Store:
-    """A ``store`` as ``batch`` takes it (``store``'s parameters)."""
-    return store(
-        request_id,
-        token_ids,
+    """A ``store`` as ``batch`` takes it (``store``'s parameters). A NumPy array of token ids
+    travels as packed uint32 bytes (the fast form)."""
+    if isinstance(token_ids, np.ndarray):
+        # The fast form: no per-token decoding.
+        tokens = packed_uint32(token_ids.astype("<u4").tobytes())
+    elif isinstance(token_ids, bytes):
+        tokens = packed_uint32(token_ids)
+    else:
+        tokens = int_list(token_ids)
+    return Store(
+        request_id=request_id,
         rank=rank,
         lora_id=lora_id,
         lora_name=lora_name,
         cache_salt=cache_salt,
-    ).request  # type: ignore[return-value]
+        token_ids=tokens,
+    )
 
 
 def release_request(request_id: RequestId) -> Release:
@@ -138,20 +146,13 @@ def store(
     ``release(request_id)``. The longest cached prefix is reused; ``lora_id``/``lora_name``
     and ``cache_salt`` separate prompts that must not share blocks. A NumPy array of token ids
     travels as packed uint32 bytes (the fast form)."""
-    if isinstance(token_ids, np.ndarray):
-        # The fast form: no per-token decoding.
-        tokens = packed_uint32(token_ids.astype("<u4").tobytes())
-    elif isinstance(token_ids, bytes):
-        tokens = packed_uint32(token_ids)
-    else:
-        tokens = int_list(token_ids)
-    request = Store(
-        request_id=request_id,
+    request = store_request(
+        request_id,
+        token_ids,
         rank=rank,
         lora_id=lora_id,
         lora_name=lora_name,
         cache_salt=cache_salt,
-        token_ids=tokens,
     )
     return Call(request, StoreReply)
 

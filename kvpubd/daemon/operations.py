@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgpack
 import msgspec
@@ -25,6 +25,7 @@ from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pipeline import RankPipeline
+from kvpubd.daemon.rank_link import LinkLost
 from kvpubd.daemon.settings import Settings
 from kvpubd.daemon.snapshot import Buffer, assemble
 from kvpubd.daemon.snapshot import Snapshot as SnapshotData
@@ -156,22 +157,7 @@ class Operations:
 
     def _settled(self, request: Request, pending: Pending[bytes]) -> Pending[bytes]:
         """The reply to come, or the error reply for the way ``pending`` failed."""
-        reply: Pending[bytes] = Pending()
-
-        def settle(encoded: bytes | None, exc: BaseException | None) -> None:
-            if exc is None:
-                assert encoded is not None
-                reply.resolve(encoded)
-            elif isinstance(exc, asyncio.CancelledError):
-                reply.resolve(error_reply(request.id, "internal", "stopped before it finished"))
-            elif isinstance(exc, CacheError):
-                reply.resolve(error_reply(request.id, exc.code, exc.message))
-            else:
-                log.error("control: %s failed: %r", op_of(request), exc)
-                reply.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
-
-        pending.then(settle)
-        return reply
+        return settled_reply(request, pending)
 
     def _pipeline(self, rank: int | None) -> RankPipeline:
         """The pipeline of ``rank``; None names the first rank served."""
@@ -373,6 +359,30 @@ class Operations:
         ids = await decode_in_slices(block_ids.decoder("block_ids", 0, pool.num_blocks - 1))
         head = ok_reply_head(request.id, ChecksumReply(pipeline.rank, []))
         return await checksum_reply(head, len(ids), pool.checksum_steps(ids))
+
+
+def settled_reply(request: Request, pending: Pending[Any]) -> Pending[Any]:
+    """The reply ``pending`` resolves to, or the error reply for the way it failed: a cache
+    error's code, ``unavailable`` for a rank worker gone before it answered, ``internal`` for
+    work stopped at shutdown or a bug."""
+    reply: Pending[Any] = Pending()
+
+    def settle(encoded: Any, exc: BaseException | None) -> None:
+        if exc is None:
+            assert encoded is not None
+            reply.resolve(encoded)
+        elif isinstance(exc, asyncio.CancelledError):
+            reply.resolve(error_reply(request.id, "internal", "stopped before it finished"))
+        elif isinstance(exc, LinkLost):
+            reply.resolve(error_reply(request.id, "unavailable", str(exc)))
+        elif isinstance(exc, CacheError):
+            reply.resolve(error_reply(request.id, exc.code, exc.message))
+        else:
+            log.error("control: %s failed: %r", op_of(request), exc)
+            reply.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
+
+    pending.then(settle)
+    return reply
 
 
 def _joined(head: bytes, replies: list[Reply]) -> Pending[bytes]:

@@ -27,9 +27,10 @@ from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.hooks import MetricsHooks
+from kvpubd.daemon.operations import settled_reply
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
-from kvpubd.daemon.rank_link import LinkLost, RankLink
+from kvpubd.daemon.rank_link import RankLink
 from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.control import (
     Batch,
@@ -429,22 +430,7 @@ class RankFront:
 
     def _answer(self, request: Request, reply: Pending[Any]) -> Pending[bytes | memoryview]:
         """The reply to come, or the error reply for the way ``reply`` failed."""
-        answer: Pending[bytes | memoryview] = Pending()
-
-        def settle(value: bytes | memoryview | None, exc: BaseException | None) -> None:
-            if exc is None:
-                assert value is not None
-                answer.resolve(value)
-            elif isinstance(exc, LinkLost):
-                answer.resolve(error_reply(request.id, "unavailable", str(exc)))
-            elif isinstance(exc, CacheError):
-                answer.resolve(error_reply(request.id, exc.code, exc.message))
-            else:
-                log.error("control: %s failed: %r", op_of(request), exc)
-                answer.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
-
-        reply.then(settle)
-        return answer
+        return settled_reply(request, reply)
 
 
 def decode_ok_raw(frame: zmq.Frame) -> list[msgspec.Raw]:
