@@ -22,15 +22,12 @@ REPLY_TIMEOUT_MS = 60_000
 def _store_and_release(position: int, rank: int, prompt: bytes) -> list[bytes]:
     """The two requests of one prompt: a store (the request id is the prompt's position: unique
     across ranks) and its release. Each request's id is its position times two (plus one)."""
+    store = {"op": "store", "id": 2 * position, "request_id": position, "rank": rank}
+    release = {"op": "release", "id": 2 * position + 1, "request_id": position}
+    # The token list last (msgpack keeps the order): the daemon reads the small fields first.
     return [
-        msgpack.packb(
-            {"op": "store", "id": 2 * position, "request_id": position, "rank": rank,
-             "token_ids": prompt},
-            use_bin_type=True,
-        ),  # fmt: skip
-        msgpack.packb(
-            {"op": "release", "id": 2 * position + 1, "request_id": position}, use_bin_type=True
-        ),
+        msgpack.packb({**store, "token_ids": prompt}, use_bin_type=True),
+        msgpack.packb(release, use_bin_type=True),
     ]
 
 

@@ -18,6 +18,12 @@ from kvpubd.protocol.hashing import HashAlgorithm
 from kvpubd.tools.bench_children import answer, start_child
 from kvpubd.tools.bench_counting import count_stored, vllm_decoder_path
 from kvpubd.tools.bench_probe import TINY_BLOCKS, ResetProbe
+from kvpubd.tools.bench_rank_resets import (
+    LARGE_FILL,
+    default_rounds,
+    measure_rank_resets,
+    print_rank_resets,
+)
 from kvpubd.tools.bench_report import err
 from kvpubd.tools.bench_senders import send_in_process, send_rank_share
 from kvpubd.tools.launcher import DaemonProcess
@@ -200,13 +206,31 @@ def bench_throughput(
     load_fraction: Annotated[
         list[float] | None,
         typer.Option(
-            help="Then reset p50/p99 while a paced client stores at this fraction of the "
-            "measured requests/s (repeatable, e.g. 0.5 and 0.9; one rank).",
+            help="Then reset latency while a paced load stores at this fraction of the "
+            "requests/s just measured (repeatable, e.g. 0.5 and 0.9). One rank without "
+            "--fill-blocks: resets of a fresh one-rank daemon under a continuous load; "
+            "otherwise the per-rank resets of --fill-blocks, with this load spread over the "
+            "ranks.",
             min=0.01,
             max=1.0,
         ),
     ] = None,
-    resets: Annotated[int, typer.Option(help="Resets timed per --load-fraction.")] = 50,
+    fill_blocks: Annotated[
+        int,
+        typer.Option(
+            help="Then per-rank resets on a fresh service of --ranks ranks: each round fills "
+            "every rank to this many cached blocks, then one reset of every rank is timed to "
+            "the marker on each rank's stream; idle, then under each --load-fraction.",
+            min=0,
+        ),
+    ] = 0,
+    resets: Annotated[
+        int | None,
+        typer.Option(
+            help="Resets timed per --load-fraction (per-rank resets: rounds per phase).",
+            show_default=f"50; per-rank resets with --fill-blocks {LARGE_FILL:,} or more: 20",
+        ),
+    ] = None,
     against_vllm: Annotated[
         bool,
         typer.Option(
@@ -230,6 +254,12 @@ def bench_throughput(
         ("--ranks", ranks),
     ):
         check_positive(option, value, integer=True)
+    if resets is not None:
+        check_positive("--resets", resets, integer=True)
+    per_rank_resets = fill_blocks > 0 or (ranks > 1 and bool(load_fraction))
+    if per_rank_resets and daemon_per_rank:
+        raise fail("per-rank resets (--fill-blocks, or --load-fraction with --ranks > 1) "
+                   "time one service: not with --daemon-per-rank", USAGE)  # fmt: skip
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(
             requests,
@@ -247,12 +277,21 @@ def bench_throughput(
         result["vllm_blockpool"] = beside_vllm(
             requests, hash_algorithm, num_blocks, result["daemon_cpu_us_per_block"]
         )
-    if load_fraction:
+    if per_rank_resets:
+        result["per_rank_resets"] = measure_rank_resets(
+            ranks,
+            fill_blocks,
+            load_fraction or [],
+            resets or default_rounds(fill_blocks),
+            result["requests_per_s"],
+            rank_processes,
+        )
+    elif load_fraction:
         from kvpubd.tools.bench_paced import measure_resets_under_load
 
         with err.status("resets under paced load"):
             result["reset_under_load"] = [
-                measure_resets_under_load(result["requests_per_s"], f, resets, num_blocks)
+                measure_resets_under_load(result["requests_per_s"], f, resets or 50, num_blocks)
                 for f in load_fraction
             ]
     if as_json:
@@ -286,7 +325,9 @@ def bench_throughput(
         from kvpubd.tools.bench_blockpool import print_beside_vllm
 
         print_beside_vllm(result["vllm_blockpool"])
-    if load_fraction:
+    if per_rank_resets:
+        print_rank_resets(result["per_rank_resets"])
+    elif load_fraction:
         loaded = Table(title="reset -> marker received while storing at a fraction of capacity")
         for column in ("load", "stores/s (target)", "n", "p50 us", "p99 us", "max us"):
             loaded.add_column(column, justify="right")
