@@ -27,6 +27,7 @@ from kvpubd.tools.bench_probe import PROMPT_TOKENS, TINY_BLOCKS
 from kvpubd.tools.bench_prompts import iter_prompts
 from kvpubd.tools.bench_report import err, summary
 from kvpubd.tools.launcher import DaemonProcess
+from kvpubd.tools.service_cpu import rank_workers
 
 FILL_WINDOW = 64  # requests in flight per filling process
 LOAD_WINDOW = 64  # requests in flight per paced load process: a paced client, not a flood
@@ -193,10 +194,11 @@ class _Markers:
         self.seen: list[dict[int, int]] = [{} for _ in pipes]
 
     def collect(self, timeout_s: float) -> None:
-        for pipe in wait(self.pipes, timeout_s):
-            while pipe.poll(0):
+        ready = wait(self.pipes, timeout_s)
+        for rank, pipe in enumerate(self.pipes):
+            while pipe in ready and pipe.poll(0):
                 _, seq, arrived = pipe.recv()
-                self.seen[self.pipes.index(pipe)][seq] = arrived
+                self.seen[rank][seq] = arrived
 
     def arrival(self, rank: int, seq: int, deadline: float) -> int | None:
         """When rank's marker ``seq`` arrived (ns), waiting until ``deadline`` for it."""
@@ -244,9 +246,7 @@ def measure_rank_resets(
         ]
         markers = _Markers(watchers)
         _wait_watchers_live(client, markers)
-        from kvpubd.tools.service_cpu import children
-
-        workers = len(children(daemon.proc.pid)) if daemon.proc is not None else 0
+        workers = len(rank_workers(daemon.proc.pid)) if daemon.proc is not None else 0
         for fraction in [0.0, *load_fractions]:
             loads = []
             if fraction:

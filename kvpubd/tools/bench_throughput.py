@@ -27,7 +27,7 @@ from kvpubd.tools.bench_rank_resets import (
 from kvpubd.tools.bench_report import err
 from kvpubd.tools.bench_senders import send_in_process, send_rank_share
 from kvpubd.tools.launcher import DaemonProcess
-from kvpubd.tools.service_cpu import CpuReading, children
+from kvpubd.tools.service_cpu import CpuReading, rank_workers
 
 RankProcessesMode = Literal["auto", "on", "off"]
 Senders = Literal["per-rank", "one"]
@@ -127,7 +127,7 @@ def measure_throughput(
         lost = [rank for rank, c in enumerate(counted) if not c["complete"]]
         if lost:
             raise RuntimeError(f"rank(s) {lost}: the subscriber never got the last batch")
-        workers = sum(len(children(pid)) for pid in pids)
+        workers = sum(len(rank_workers(pid)) for pid in pids)
     blocks = sum(c["blocks"] for c in counted)
     elapsed = max(c["last"] for c in counted) - start
     cpu = parent_cpu + worker_cpu

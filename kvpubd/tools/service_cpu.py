@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+WORKER_MODULE = b"kvpubd.daemon.rank_worker"  # what a rank worker runs: python -m this
+
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far; 0 for one that is gone."""
@@ -30,9 +32,24 @@ def children(pid: int) -> list[int]:
     return sorted(set(found))
 
 
+def rank_workers(pid: int) -> list[int]:
+    """The children of ``pid`` that are rank workers (other children, such as
+    multiprocessing's resource tracker, are part of the service but not workers)."""
+    found = []
+    for child in children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if WORKER_MODULE in cmdline.split(b"\0"):
+            found.append(child)
+    return found
+
+
 @dataclass
 class CpuReading:
-    """CPU seconds so far of each daemon (parent) process and of each of their children."""
+    """CPU seconds so far of each daemon (parent) process and of each of their children (the
+    rank workers, and anything else the daemon started)."""
 
     parents: dict[int, float]
     workers: dict[int, float]
