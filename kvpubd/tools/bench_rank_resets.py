@@ -319,12 +319,14 @@ def _phase(
     replies: list[int] = []
     missing = 0
     cached_min: int | None = None
+    fill_s: list[float] = []
     for round_no in range(rounds):
         for pipe in loads:
             pipe.send("pause")
         for pipe in loads:
             if answer(pipe, "a paced load process", 120) != "paused":
                 raise RuntimeError("a paced load process did not pause")
+        filling = time.monotonic()
         for pipe in fillers:
             pipe.send(round_no)
         for rank, pipe in enumerate(fillers):
@@ -335,6 +337,7 @@ def _phase(
         while any(rank.events_pending for rank in stats):
             markers.collect(0.005)
             stats = client.stats().ranks
+        fill_s.append(time.monotonic() - filling)
         cached = min(rank.blocks_cached for rank in stats)
         cached_min = cached if cached_min is None else min(cached_min, cached)
         for pipe in loads:
@@ -366,6 +369,9 @@ def _phase(
         "rounds": rounds,
         "missing_markers": missing,
         "cached_blocks_min": cached_min,
+        # Filling every rank and publishing it all, per round: where a round's time goes.
+        "fill_s_p50": round(float(np.median(fill_s)), 3),
+        "fill_s_max": round(max(fill_s), 3),
         "per_rank": [{"rank": rank, **summary(samples)} for rank, samples in enumerate(per_rank)],
         "slowest_rank": summary(slowest),
         "reply": summary(replies),
