@@ -3,7 +3,7 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]
+#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks [RESETS [FILL]]|ranks-apart [ALGORITHM]
 # The vLLM comparisons (publisher, blockpool, throughput's --against-vllm) read vLLM's files from
 # $KVPUBD_VLLM_DIR (default .devvllm/: kv_events.py, block_pool.py and the rest; made on a host
 # with network by `KVPUBD_VLLM_DIR=.devvllm kvpubd bench vllm-extract WHEEL`); without them
@@ -41,13 +41,34 @@ case "${1:-}" in
                  > "$OUT/publisher-d${2:-1}.json" ;;
   paced) $K bench throughput --load-fraction 0.5 --load-fraction 0.9 --resets 100 --json \
              > "$OUT/paced.json" ;;
-  ranks) for r in 1 2 4 8; do $K bench throughput --ranks "$r" --json > "$OUT/ranks-$r.json"; done ;;
+  # ranks [RESETS [FILL]]: one service at 1, 2, 4 and 8 ranks (rank worker processes on;
+  # 8 ranks also with them off), 2000 requests per rank; vLLM's publisher in the same session
+  # (the 8-rank rate is judged against it); then resets of every rank at 8 ranks with FILL
+  # (default 1M) cached blocks per rank, idle and at 90 % of the 8-rank capacity, RESETS
+  # (default 20) rounds each. About 6-8 minutes; progress on stderr.
+  ranks) say() { echo "ranks: $* (${SECONDS}s)" >&2; }
+         for r in 1 2 4 8; do
+           say "throughput, $r rank(s), rank processes on"
+           $K bench throughput --ranks "$r" --rank-processes on --requests $((2000 * r)) --json \
+               > "$OUT/ranks-$r.json"
+         done
+         say "throughput, 8 ranks, rank processes off"
+         $K bench throughput --ranks 8 --rank-processes off --requests 16000 --json \
+             > "$OUT/ranks-8-off.json"
+         say "vLLM's publisher beside ours, 4 decoders per stream"
+         $K bench publisher --against-vllm --decoders 4 --json > "$OUT/ranks-publisher-d4.json"
+         say "resets of every rank at 8 ranks, ${3:-1000000} blocks per rank, idle and 90 % load"
+         $K bench throughput --ranks 8 --rank-processes on --requests 16000 \
+             --fill-blocks "${3:-1000000}" --load-fraction 0.9 --resets "${2:-20}" --json \
+             > "$OUT/ranks-8-resets.json"
+         say "done"
+         python3 scripts/ranks_summary.py "$OUT" >&2 ;;
   # ranks-apart [ALGORITHM]: one single-rank daemon per rank; as many requests per rank as
   # one rank gets above.
   ranks-apart) for r in 1 2 4 8; do
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
                      --hash-algorithm "${2:-sha256}" --json > "$OUT/ranks-apart-$r-${2:-sha256}.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks|ranks-apart [ALGORITHM]" >&2
+  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks [RESETS [FILL]]|ranks-apart [ALGORITHM]" >&2
      exit 2 ;;
 esac

@@ -103,6 +103,58 @@ def test_bench_throughput_over_ranks_and_under_paced_load() -> None:
         assert row["stores"] > 0 and row["stores_per_s"] is not None
 
 
+SMALL_RUN = ("--requests", "20", "--window", "4", "--num-blocks", "4096")
+
+
+def test_bench_throughput_through_one_service_of_rank_processes() -> None:
+    """Two ranks in worker processes of one service: every block counted on its rank's
+    stream, no gap; the workers' CPU counted with the parent's; the same blocks as with both
+    ranks in the daemon's process and as with one sending process."""
+    result = bench("throughput", *SMALL_RUN, "--ranks", "2", "--rank-processes", "on")
+    assert (result["rank_processes"], result["rank_worker_processes"]) == (True, 2)
+    assert result["senders"] == 2 and result["window_per_rank"] == 4
+    assert result["gaps"] == 0 and result["undecodable_batches"] == 0 and result["blocks"] > 0
+    assert result["daemon_cpu_us_per_block"] > result["parent_cpu_us_per_block"] > 0
+    one_process = bench("throughput", *SMALL_RUN, "--ranks", "2", "--rank-processes", "off",
+                        "--senders", "one")  # fmt: skip
+    assert (one_process["rank_processes"], one_process["senders"]) == (False, 1)
+    assert one_process["daemon_cpu_us_per_block"] == one_process["parent_cpu_us_per_block"]
+    assert one_process["gaps"] == 0 and one_process["blocks"] == result["blocks"]
+
+
+def test_bench_per_rank_resets_fill_every_rank_and_time_each_ranks_marker() -> None:
+    result = bench("throughput", *SMALL_RUN, "--ranks", "2", "--fill-blocks", "600",
+                   "--load-fraction", "0.5", "--resets", "3")  # fmt: skip
+    resets = result["per_rank_resets"]
+    assert (resets["ranks"], resets["rank_processes"], resets["gaps"]) == (2, True, 0)
+    assert [phase["load_fraction"] for phase in resets["phases"]] == [0.0, 0.5]
+    for phase in resets["phases"]:
+        # Every rank held the fill before each reset, and published a marker for each.
+        assert phase["cached_blocks_min"] == 600 and phase["missing_markers"] == 0
+        assert [row["rank"] for row in phase["per_rank"]] == [0, 1]
+        for row in [*phase["per_rank"], phase["slowest_rank"], phase["reply"]]:
+            assert row["n"] == 3 and 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
+        slowest = max(row["max_us"] for row in phase["per_rank"])
+        assert phase["slowest_rank"]["max_us"] == slowest
+    idle, loaded = resets["phases"]
+    assert idle["stores"] == 0 and loaded["stores"] > 0
+
+
+def test_bench_throughput_decodes_with_msgpack_without_vllms_file(tmp_path: Path) -> None:
+    missing = tmp_path / "kv_events.py"
+    result = bench("throughput", *SMALL_RUN, env={ENV_VAR: str(missing)})
+    assert result["decoded_by"] == "msgpack" and result["blocks"] > 0 and result["gaps"] == 0
+
+
+@pytest.mark.skipif(not kv_events_path().is_file(), reason="vLLM's kv_events.py not extracted")
+def test_bench_throughput_decodes_every_block_with_vllms_types() -> None:
+    result = bench("throughput", *SMALL_RUN, "--ranks", "2")
+    assert result["decoded_by"] == "vllm" and result["undecodable_batches"] == 0
+    plain = bench("throughput", *SMALL_RUN, "--ranks", "2",
+                  env={ENV_VAR: "/nonexistent/kv_events.py"})  # fmt: skip
+    assert plain["decoded_by"] == "msgpack" and plain["blocks"] == result["blocks"] > 0
+
+
 def test_bench_against_vllm_is_skipped_cleanly_without_its_file(tmp_path: Path) -> None:
     missing = tmp_path / "kv_events.py"
     result = bench("publisher", "--against-vllm", env={"KVPUBD_VLLM_KV_EVENTS": str(missing)})

@@ -5,63 +5,32 @@ timed under a paced load (bench_paced)."""
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Callable
-from typing import Annotated, Any
+from contextlib import ExitStack
+from typing import Annotated, Any, Literal
 
-import msgpack
 import typer
-import zmq
 from rich.console import Console
 from rich.table import Table
 
-from kvpubd.exits import check_positive
-from kvpubd.interrupts import ctrl_c_kept_from_children
+from kvpubd.exits import USAGE, check_positive, fail
 from kvpubd.protocol.hashing import HashAlgorithm
+from kvpubd.tools.bench_children import answer, start_child
+from kvpubd.tools.bench_counting import count_stored, vllm_decoder_path
 from kvpubd.tools.bench_probe import TINY_BLOCKS, ResetProbe
-from kvpubd.tools.bench_prompts import make_prompts
+from kvpubd.tools.bench_rank_resets import (
+    LARGE_FILL,
+    default_rounds,
+    measure_rank_resets,
+    print_rank_resets,
+)
 from kvpubd.tools.bench_report import err
+from kvpubd.tools.bench_senders import send_in_process, send_rank_share
 from kvpubd.tools.launcher import DaemonProcess
+from kvpubd.tools.service_cpu import CpuReading, rank_workers
 
-
-def _count_stored(endpoint: str, ready: Any, results: Any) -> None:
-    """Subscriber process: decode every batch, count published blocks, check seqs."""
-    from kvpubd.tools.launcher import live_subscriber
-
-    # Live once a batch arrives (the bench sends resets until then).
-    ctx, sub = live_subscriber(endpoint, poll_ms=50)
-    ready.send("live")
-    stop_seq: int | None = None
-    blocks = gaps = 0
-    last_seq: int | None = None
-    last_time = first_time = 0.0
-    while stop_seq is None or last_seq is None or last_seq < stop_seq:
-        if ready.poll(0):
-            stop_seq = ready.recv()
-        if not sub.poll(100):
-            continue
-        _, seq_frame, payload = sub.recv_multipart()
-        seq = int.from_bytes(seq_frame, "big")
-        if last_seq is not None and seq != last_seq + 1:
-            gaps += 1
-        last_seq = seq
-        for event in msgpack.unpackb(payload)[1]:
-            if event["type"] == "BlockStored":
-                if not blocks:
-                    first_time = time.monotonic()
-                blocks += len(event["block_hashes"])
-        last_time = time.monotonic()
-    results.send({"blocks": blocks, "gaps": gaps, "first": first_time, "last": last_time})
-    sub.close(linger=0)
-    ctx.term()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+RankProcessesMode = Literal["auto", "on", "off"]
+Senders = Literal["per-rank", "one"]
 
 
 def measure_throughput(
@@ -71,22 +40,22 @@ def measure_throughput(
     ranks: int = 1,
     daemon_per_rank: bool = False,
     hash_algorithm: HashAlgorithm = "sha256",
+    rank_processes: RankProcessesMode = "auto",
+    senders: Senders = "per-rank",
 ) -> dict[str, Any]:
-    """Store+release requests round-robin over ``ranks``, served by one daemon, or with
-    ``daemon_per_rank`` by one single-rank daemon each (``cache.data_parallel_start_rank``)
-    with ``window`` requests in flight per daemon."""
-    import multiprocessing
-    from contextlib import ExitStack
-
+    """Store+release requests round-robin over ``ranks``, served by one daemon (its ranks in
+    worker processes or not, as ``rank_processes`` says), or with ``daemon_per_rank`` by one
+    single-rank daemon each (``cache.data_parallel_start_rank``); ``window`` requests in
+    flight per rank either way, sent by one process per rank or (``senders`` "one") all from
+    this one."""
     from kvpubd.protocol.endpoints import rank_endpoint
 
-    prompts = make_prompts(requests)
     layouts = (
         [{"data_parallel_start_rank": rank, "data_parallel_size": 1} for rank in range(ranks)]
         if daemon_per_rank
         else [{"data_parallel_size": ranks}]
     )
-    spawn = multiprocessing.get_context("spawn")
+    kv_path = vllm_decoder_path()
     # Several ranks use ipc: one transport for every rank count keeps the figures comparable
     # with earlier runs.
     transport = "tcp" if ranks == 1 else "ipc"
@@ -101,7 +70,7 @@ def measure_throughput(
                     **layout,
                 },
                 "events": {"buffer_steps": 1000},
-                "service": {"log_level": "warning"},
+                "service": {"log_level": "warning", "rank_processes": rank_processes},
             }
             daemons.append(stack.enter_context(DaemonProcess(overrides, transport=transport)))
         probes = []
@@ -109,98 +78,103 @@ def measure_throughput(
             probe = ResetProbe(daemon)
             stack.callback(probe.close)
             probes.append(probe)
-        # Per rank: the probe of the daemon serving it, and a counter process on its stream.
-        route: list[ResetProbe] = []
-        pipes, results = [], []
-        for daemon, probe in zip(daemons, probes, strict=True):
+        # Per rank: the daemon serving it, and a counting subscriber on its stream.
+        route: list[int] = []
+        counters = []
+        for index, daemon in enumerate(daemons):
             for rank in daemon.served:
-                control_side, sub_side = spawn.Pipe()
-                results_in, results_out = spawn.Pipe(duplex=False)
                 endpoint = rank_endpoint(daemon.events_endpoint, rank)
-                # daemon=True: a failed run never waits on a counter that waits for its stop seq.
-                counter = spawn.Process(
-                    target=_count_stored, args=(endpoint, sub_side, results_out), daemon=True
-                )
-                with ctrl_c_kept_from_children():  # Ctrl-C is ours to handle: we stop the counters
-                    counter.start()
-                stack.push(_counter_stopper(counter))
-                pipes.append((probe, control_side))
-                results.append(results_in)
-                route.append(probe)
+                counters.append(start_child(stack, count_stored, endpoint, kv_path))
+                route.append(index)
         # Resets (no stores) until every counter's SUB has received one.
-        for probe, pipe in pipes:
+        for index, pipe in zip(route, counters, strict=True):
             while not pipe.poll(0.1):
-                probe.client.reset(force=True)
+                probes[index].client.reset(force=True)
             pipe.recv()
+        sending = []
+        if senders == "per-rank":
+            for rank, index in enumerate(route):
+                endpoint = daemons[index].control_endpoint
+                args = (endpoint, rank, ranks, requests, window)
+                sending.append(start_child(stack, send_rank_share, *args))
+            for rank, pipe in enumerate(sending):
+                if answer(pipe, f"rank {rank}'s sender", 300) != "ready":
+                    raise RuntimeError(f"rank {rank}'s sender did not start")
         pids = [daemon.proc.pid for daemon in daemons if daemon.proc is not None]
-        cpu_start = sum(map(_cpu_seconds, pids))
+        cpu_start = CpuReading.now(pids)
         start = time.monotonic()
-        in_flight = dict.fromkeys(probes, 0)
-        poller = zmq.Poller()
-        by_socket = {}
-        for probe in probes:
-            poller.register(probe.control, zmq.POLLIN)
-            by_socket[probe.control] = probe
-        sent = 0
-        while sent < len(prompts) or any(in_flight.values()):
-            while sent < len(prompts) and in_flight[route[sent % ranks]] < window:
-                rank = sent % ranks
-                probe = route[rank]
-                probe.send("store", request_id=sent, rank=rank, token_ids=prompts[sent])
-                probe.send("release", request_id=sent)
-                sent += 1
-                in_flight[probe] += 2
-            ready = poller.poll(60_000)
-            if not ready:
-                raise TimeoutError("the daemons did not answer within 60 s")
-            for socket, _ in ready:
-                probe = by_socket[socket]
-                probe.recv_reply()
-                in_flight[probe] -= 1
+        if sending:
+            for pipe in sending:
+                pipe.send("go")
+            sent = [answer(pipe, f"rank {rank}'s sender", 600) for rank, pipe in enumerate(sending)]
+        else:
+            sockets = [probe.control for probe in probes]
+            sent = [send_in_process(sockets, route, requests, window)]
         sent_all = time.monotonic()
+        failed = [report for report in sent if report["failures"]]
+        if failed:
+            raise RuntimeError(
+                f"{sum(r['failures'] for r in failed)} bench request(s) failed: "
+                f"{failed[0]['first_error']}"
+            )
         ranks_stats = [stats for probe in probes for stats in probe.client.stats().ranks]
         while any(rank.events_pending for rank in ranks_stats):
             ranks_stats = [stats for probe in probes for stats in probe.client.stats().ranks]
-        cpu = sum(map(_cpu_seconds, pids)) - cpu_start
-        for (_, pipe), rank_stats in zip(pipes, ranks_stats, strict=True):
+        parent_cpu, worker_cpu = CpuReading.now(pids).since(cpu_start)
+        for pipe, rank_stats in zip(counters, ranks_stats, strict=True):
             pipe.send(rank_stats.seq)
-        counted = [result.recv() for result in results]
+        counted = [answer(pipe, "a counting subscriber", 120) for pipe in counters]
+        lost = [rank for rank, c in enumerate(counted) if not c["complete"]]
+        if lost:
+            raise RuntimeError(f"rank(s) {lost}: the subscriber never got the last batch")
+        workers = sum(len(rank_workers(pid)) for pid in pids)
     blocks = sum(c["blocks"] for c in counted)
     elapsed = max(c["last"] for c in counted) - start
+    cpu = parent_cpu + worker_cpu
     return {
         "blocks_per_s": round(blocks / elapsed),
         "blocks": blocks,
         "gaps": sum(c["gaps"] for c in counted),
+        "undecodable_batches": sum(c["undecodable"] for c in counted),
+        "decoded_by": "vllm" if kv_path else "msgpack",
         "requests": requests,
+        "window_per_rank": window,
         "ranks": ranks,
         "daemons": len(daemons),
+        "rank_processes": workers > 0,
+        "rank_worker_processes": workers,
+        "senders": len(sent),
         "hash_algorithm": hash_algorithm,
         "transport": transport,
         "seconds": round(elapsed, 3),
         "requests_per_s": round(requests / (sent_all - start)),
-        "daemon_cpu_us_per_block": round(cpu / blocks * 1e6, 3) if blocks else None,
+        # The whole service: daemon processes and their rank workers.
+        "daemon_cpu_us_per_block": _per_block(cpu, blocks),
+        "parent_cpu_us_per_block": _per_block(parent_cpu, blocks),
+        "daemon_cpus_busy": round(cpu / elapsed, 2),
+        # Near 1: that sending process, not the daemon, set the rate.
+        "sender_cpu_busy_max": round(max(s["cpu_s"] / s["wall_s"] for s in sent), 3),
+        "sender_cpu_us_per_request": round(sum(s["cpu_s"] for s in sent) / requests * 1e6, 1),
+        # Near 1: that subscriber's decoding, not the daemon, set its rank's rate.
+        "subscriber_decoding_busy_max": round(
+            max(c["decoding_s"] / max(1e-9, c["last"] - start) for c in counted), 3
+        ),
         "dropped_stored_blocks": sum(rank.dropped_stored_blocks for rank in ranks_stats),
     }
 
 
-def _counter_stopper(counter: Any) -> Callable[..., None]:
-    """An exit callback: after a complete run the counter reports and ends by itself; after
-    a failure or Ctrl-C it waits for a stop seq that never comes, so it is stopped at once."""
-
-    def stop(exc_type: type[BaseException] | None, *_: object) -> None:
-        counter.join(10 if exc_type is None else 0)
-        if counter.is_alive():
-            counter.terminate()
-            counter.join()
-
-    return stop
+def _per_block(seconds: float, blocks: int) -> float | None:
+    return round(seconds / blocks * 1e6, 3) if blocks else None
 
 
 def bench_throughput(
     requests: Annotated[int, typer.Option(help="store requests (each followed by release).")] = (
         2000
     ),
-    window: Annotated[int, typer.Option(help="Requests in flight.")] = 32,
+    window: Annotated[
+        int,
+        typer.Option(help="Requests in flight per rank (a store and a release each count)."),
+    ] = 32,
     num_blocks: Annotated[
         int, typer.Option(help="Pool blocks per rank (evictions when full).")
     ] = 400_000,
@@ -215,16 +189,48 @@ def bench_throughput(
     hash_algorithm: Annotated[
         HashAlgorithm, typer.Option(help="The daemons' cache.hash_algorithm.")
     ] = "sha256",
+    rank_processes: Annotated[
+        RankProcessesMode,
+        typer.Option(
+            help="The daemon's service.rank_processes: auto (a worker process per rank when "
+            "it serves more than one), on, or off (every rank in the daemon's process)."
+        ),
+    ] = "auto",
+    senders: Annotated[
+        Senders,
+        typer.Option(
+            help="Who sends the requests: per-rank (a process per rank, each with its own "
+            "DEALER and its share of the prompts) or one (this process, for every rank)."
+        ),
+    ] = "per-rank",
     load_fraction: Annotated[
         list[float] | None,
         typer.Option(
-            help="Then reset p50/p99 while a paced client stores at this fraction of the "
-            "measured requests/s (repeatable, e.g. 0.5 and 0.9; one rank).",
+            help="Then reset latency while a paced load stores at this fraction of the "
+            "requests/s just measured (repeatable, e.g. 0.5 and 0.9). One rank without "
+            "--fill-blocks: resets of a fresh one-rank daemon under a continuous load; "
+            "otherwise the per-rank resets of --fill-blocks, with this load spread over the "
+            "ranks.",
             min=0.01,
             max=1.0,
         ),
     ] = None,
-    resets: Annotated[int, typer.Option(help="Resets timed per --load-fraction.")] = 50,
+    fill_blocks: Annotated[
+        int,
+        typer.Option(
+            help="Then per-rank resets on a fresh service of --ranks ranks: each round fills "
+            "every rank to this many cached blocks, then one reset of every rank is timed to "
+            "the marker on each rank's stream; idle, then under each --load-fraction.",
+            min=0,
+        ),
+    ] = 0,
+    resets: Annotated[
+        int | None,
+        typer.Option(
+            help="Resets timed per --load-fraction (per-rank resets: rounds per phase).",
+            show_default=f"50; per-rank resets with --fill-blocks {LARGE_FILL:,} or more: 20",
+        ),
+    ] = None,
     against_vllm: Annotated[
         bool,
         typer.Option(
@@ -248,9 +254,22 @@ def bench_throughput(
         ("--ranks", ranks),
     ):
         check_positive(option, value, integer=True)
+    if resets is not None:
+        check_positive("--resets", resets, integer=True)
+    per_rank_resets = fill_blocks > 0 or (ranks > 1 and bool(load_fraction))
+    if per_rank_resets and daemon_per_rank:
+        raise fail("per-rank resets (--fill-blocks, or --load-fraction with --ranks > 1) "
+                   "time one service: not with --daemon-per-rank", USAGE)  # fmt: skip
     with err.status(f"{requests} store requests through a daemon to a subscriber"):
         result = measure_throughput(
-            requests, window, num_blocks, ranks, daemon_per_rank, hash_algorithm
+            requests,
+            window,
+            num_blocks,
+            ranks,
+            daemon_per_rank,
+            hash_algorithm,
+            rank_processes,
+            senders,
         )
     if against_vllm:
         from kvpubd.tools.bench_blockpool import beside_vllm
@@ -258,12 +277,21 @@ def bench_throughput(
         result["vllm_blockpool"] = beside_vllm(
             requests, hash_algorithm, num_blocks, result["daemon_cpu_us_per_block"]
         )
-    if load_fraction:
+    if per_rank_resets:
+        result["per_rank_resets"] = measure_rank_resets(
+            ranks,
+            fill_blocks,
+            load_fraction or [],
+            resets or default_rounds(fill_blocks),
+            result["requests_per_s"],
+            rank_processes,
+        )
+    elif load_fraction:
         from kvpubd.tools.bench_paced import measure_resets_under_load
 
         with err.status("resets under paced load"):
             result["reset_under_load"] = [
-                measure_resets_under_load(result["requests_per_s"], f, resets, num_blocks)
+                measure_resets_under_load(result["requests_per_s"], f, resets or 50, num_blocks)
                 for f in load_fraction
             ]
     if as_json:
@@ -297,7 +325,9 @@ def bench_throughput(
         from kvpubd.tools.bench_blockpool import print_beside_vllm
 
         print_beside_vllm(result["vllm_blockpool"])
-    if load_fraction:
+    if per_rank_resets:
+        print_rank_resets(result["per_rank_resets"])
+    elif load_fraction:
         loaded = Table(title="reset -> marker received while storing at a fraction of capacity")
         for column in ("load", "stores/s (target)", "n", "p50 us", "p99 us", "max us"):
             loaded.add_column(column, justify="right")

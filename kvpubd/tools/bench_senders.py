@@ -1,0 +1,128 @@
+"""The clients that send ``kvpubd bench throughput``'s store requests: one sending process per
+rank (each with its own DEALER, its share of the prompts dealt out round-robin, and ``window``
+requests in flight), or all ranks from the bench's own process over one DEALER per daemon, with
+``window`` requests in flight per rank either way. Each reports the CPU it spent, so that a
+sender that sets the rate shows (near 100 % of a CPU)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvpubd.tools.bench_prompts import make_prompts, share_of_prompts
+
+# A sender gives up on a daemon silent for this long.
+REPLY_TIMEOUT_MS = 60_000
+
+
+def _store_and_release(position: int, rank: int, prompt: bytes) -> list[bytes]:
+    """The two requests of one prompt: a store (the request id is the prompt's position: unique
+    across ranks) and its release. Each request's id is its position times two (plus one)."""
+    store = {"op": "store", "id": 2 * position, "request_id": position, "rank": rank}
+    release = {"op": "release", "id": 2 * position + 1, "request_id": position}
+    # The token list last (msgpack keeps the order): the daemon reads the small fields first.
+    return [
+        msgpack.packb({**store, "token_ids": prompt}, use_bin_type=True),
+        msgpack.packb(release, use_bin_type=True),
+    ]
+
+
+class _Failures:
+    """Refused requests: counted, with the first error kept for the report."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: Any = None
+
+    def note(self, reply: dict[str, Any]) -> None:
+        if not reply.get("ok"):
+            self.count += 1
+            self.first = self.first or reply.get("error")
+
+
+def send_rank_share(
+    control_endpoint: str, rank: int, ranks: int, requests: int, window: int, pipe: Any
+) -> None:
+    """Sending process of one rank: its share of the prompts (positions rank, rank + ranks,
+    ...), store + release each, ``window`` requests in flight. "ready" once connected; sends
+    on the bench's word; answers what it did and the CPU and time that took."""
+    share = share_of_prompts(requests, rank, ranks)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(control_endpoint)
+    pipe.send("ready")
+    pipe.recv()
+    cpu, start = time.process_time(), time.monotonic()
+    failures = _Failures()
+    sent = in_flight = 0
+    while sent < len(share) or in_flight:
+        while sent < len(share) and in_flight < window:
+            for request in _store_and_release(share[sent][0], rank, share[sent][1]):
+                sock.send_multipart([b"", request])
+            sent += 1
+            in_flight += 2
+        if not sock.poll(REPLY_TIMEOUT_MS):
+            failures.count += in_flight
+            failures.first = failures.first or f"no reply within {REPLY_TIMEOUT_MS} ms"
+            break
+        while in_flight and sock.poll(0):
+            failures.note(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))
+            in_flight -= 1
+    pipe.send(
+        {
+            "requests": len(share),
+            "failures": failures.count,
+            "first_error": failures.first,
+            "cpu_s": time.process_time() - cpu,
+            "wall_s": time.monotonic() - start,
+        }
+    )
+    sock.close()
+    ctx.term()
+
+
+def send_in_process(
+    sockets: Sequence[zmq.Socket[bytes]], route: Sequence[int], requests: int, window: int
+) -> dict[str, Any]:
+    """Every rank's share from this process: ``sockets[route[rank]]`` is the DEALER of the
+    daemon serving ``rank`` (``len(route)`` ranks); prompts round-robin over the ranks,
+    ``window`` requests in flight per rank. The prompts are made before the clock starts."""
+    prompts = make_prompts(requests)
+    ranks = len(route)
+    poller = zmq.Poller()
+    for sock in sockets:
+        poller.register(sock, zmq.POLLIN)
+    in_flight = [0] * ranks
+    failures = _Failures()
+    next_of_rank = list(range(ranks))  # the next position each rank sends
+    cpu, start = time.process_time(), time.monotonic()
+    while any(p < requests for p in next_of_rank) or any(in_flight):
+        for rank in range(ranks):
+            while next_of_rank[rank] < requests and in_flight[rank] < window:
+                position = next_of_rank[rank]
+                sock = sockets[route[rank]]
+                for request in _store_and_release(position, rank, prompts[position]):
+                    sock.send_multipart([b"", request])
+                next_of_rank[rank] += ranks
+                in_flight[rank] += 2
+        ready = poller.poll(REPLY_TIMEOUT_MS)
+        if not ready:
+            raise TimeoutError(f"the daemons did not answer within {REPLY_TIMEOUT_MS} ms")
+        for sock, _ in ready:
+            while sock.poll(0):
+                reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+                failures.note(reply)
+                # The position (hence the rank) is in the request's id.
+                in_flight[(int(reply["id"]) // 2) % ranks] -= 1
+    return {
+        "requests": requests,
+        "failures": failures.count,
+        "first_error": failures.first,
+        "cpu_s": time.process_time() - cpu,
+        "wall_s": time.monotonic() - start,
+    }
