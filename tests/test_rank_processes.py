@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
@@ -428,3 +429,38 @@ def test_a_batch_gets_the_same_replies_from_worker_processes() -> None:
     assert mixed_on == mixed_off and one_on == one_off
     assert one_on[0]["ok"] and one_on[0]["rank"] == 1
     assert [s.blocks_cached for s in stats_on] == [s.blocks_cached for s in stats_off]
+
+
+def test_a_reset_is_not_held_behind_other_clients_stores() -> None:
+    """A client's reset is read by the rank's worker next, as a daemon in one process reads
+    it, not after every store the service forwarded for other clients: stores still queued
+    behind it are applied after it (their blocks are cached once all are answered). Held
+    behind them, the reset would clear every one of them."""
+    stores = 32
+    daemon = service({"cache": {"num_blocks": 20_000}}).start(timeout=60)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        storer = context.socket(zmq.DEALER)
+        storer.setsockopt(zmq.LINGER, 0)
+        storer.connect(daemon.control_endpoint)
+        for n in range(stores):
+            request = {
+                "op": "store",
+                "id": n,
+                "request_id": n,
+                "rank": 1,
+                "token_ids": np.asarray(prompt(100 + n, 512), dtype="<u4").tobytes(),
+            }
+            storer.send_multipart([b"", msgpack.packb(request)])
+        assert storer.poll(30_000)  # the worker has started on them
+        with daemon.client() as client:
+            client.reset(rank=1, force=True)
+            for _ in range(stores):
+                assert storer.poll(60_000)
+                storer.recv_multipart()
+            assert client.stats().ranks[1].blocks_cached > 0
+    finally:
+        context.destroy(linger=0)
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()

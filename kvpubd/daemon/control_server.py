@@ -56,11 +56,12 @@ _REPLY_LAST = int(zmq.NOBLOCK)
 # Bytes now, or bytes or a buffer to come (a store done in slices, sent the moment it finishes;
 # a snapshot built across loop turns, sent without a copy).
 Reply = bytes | Pending[bytes] | Pending[memoryview] | Pending[bytes | memoryview]
-# The request, the client that sent it (None where it cannot be told: see owners) and the
-# request's frame as received (a service of rank processes forwards it as it came).
-Handler = Callable[[Request, Owner | None, bytes], Reply]
 # The frames a reply goes back through: the client's identity, and any envelope before it.
 Route = tuple[bytes, ...]
+# The request, the client that sent it (None where it cannot be told: see owners), the
+# request's frame as received (a service of rank processes forwards it as it came) and the
+# route of its reply (which tells one client's requests from another's).
+Handler = Callable[[Request, Owner | None, bytes, Route], Reply]
 
 
 class StartupError(RuntimeError):
@@ -209,7 +210,7 @@ class ControlServer:
         log.debug("control: %s (id %r)", op_of(request), request.id)
         if isinstance(request, Snapshot):
             return self._snapshot(route, request, body[0])
-        return self._handler(request, owner, body[0])
+        return self._handler(request, owner, body[0], route)
 
     def _revoked(self, frames: list[bytes], envelope: int) -> Reply | None:
         """The answer to a client admitted by a key that is no longer authorised."""
@@ -260,7 +261,7 @@ class ControlServer:
     def _build_snapshot(
         self, key: tuple[Route, int | None], request: Snapshot, frame: bytes
     ) -> Reply:
-        reply = self._handler(request, None, frame)
+        reply = self._handler(request, None, frame, key[0])
         if isinstance(reply, Pending):
             self._snapshots.add(key)
             reply.then(lambda _reply, _error: self._snapshots.discard(key))

@@ -121,11 +121,17 @@ class Operations:
         # Set while a batch has used its time in this loop turn: its later stores are queued.
         self._queue_stores = False
 
-    def handle(self, request: Request, owner: Owner | None = None, frame: bytes = b"") -> Reply:
+    def handle(
+        self,
+        request: Request,
+        owner: Owner | None = None,
+        frame: bytes = b"",
+        route: tuple[bytes, ...] = (),
+    ) -> Reply:
         """The reply to one parsed request from ``owner`` (the client, where it can be told:
         its open requests are released when it goes away); a refusal or a bug is answered,
-        never raised. Work that takes several loop turns is answered later. ``frame``, the
-        request as received, is not needed here."""
+        never raised. Work that takes several loop turns is answered later. ``frame`` and
+        ``route`` (the request as received, its reply's route) are not needed here."""
         error_code: str | None = None
         try:
             answer = _HANDLERS[type(request)](self, request, owner)

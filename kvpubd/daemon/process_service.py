@@ -172,7 +172,7 @@ class ProcessService(Service):
         link.start()
         try:
             reply = await asyncio.wait_for(
-                _settled(link.request(_encoder.encode(Ping()))), ANSWER_TIMEOUT_S
+                _settled(link.request(_encoder.encode(Ping()), priority=True)), ANSWER_TIMEOUT_S
             )
             (endpoints,) = decode_ok(reply, PingReply).endpoints
         except (asyncio.TimeoutError, CacheError, ValueError) as exc:
@@ -312,7 +312,7 @@ class ProcessService(Service):
         """Read every running worker's stats (for a scrape); a worker that does not answer in
         STATS_TIMEOUT_S keeps its last ones."""
         ranks = list(self._links.items())
-        replies = [link.request(_encoder.encode(Stats())) for _, link in ranks]
+        replies = [link.request(_encoder.encode(Stats()), priority=True) for _, link in ranks]
         for (rank, _), reply in zip(ranks, replies, strict=True):
             with contextlib.suppress(Exception):
                 frame = await asyncio.wait_for(_settled(reply), STATS_TIMEOUT_S)

@@ -25,7 +25,7 @@ import zmq
 
 from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
-from kvpubd.daemon.control_server import Reply
+from kvpubd.daemon.control_server import Reply, Route
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.operations import settled_reply
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
@@ -117,6 +117,19 @@ def decode_ok(frame: zmq.Frame, reply_type: type[R]) -> R:
     return reply_type.parse(reply)
 
 
+# Ops a client with nothing on its way to a worker sends on the priority connection (see
+# rank_link): small, and what must not wait behind other clients' stores.
+PRIORITY_OPS = (Reset, Stats, Pause, Resume, Ping)
+
+
+@dataclass
+class _Lane:
+    """The connection one client's requests to one worker are on, while any is on its way."""
+
+    priority: bool
+    in_flight: int = 0
+
+
 @dataclass
 class _OpenRequest:
     rank: int
@@ -144,6 +157,9 @@ class RankFront:
         # What each worker said at its last start (ping), by rank.
         self.endpoints: dict[int, RankEndpoints] = {}
         self._open: dict[RequestId, _OpenRequest] = {}
+        self._lanes: dict[tuple[Route, int], _Lane] = {}
+        self._route: Route | None = None  # of the request being handled (None: the service)
+        self._priority = True  # it may go on the priority connection
         control = settings.control
         self.owners = RequestOwners(
             self._release_orphan,
@@ -165,8 +181,11 @@ class RankFront:
 
     # -- the control server's handler --------------------------------------------------------
 
-    def handle(self, request: Request, owner: Owner | None = None, frame: bytes = b"") -> Reply:
+    def handle(
+        self, request: Request, owner: Owner | None = None, frame: bytes = b"", route: Route = ()
+    ) -> Reply:
         op = op_of(request)
+        self._route, self._priority = route, isinstance(request, PRIORITY_OPS)
         try:
             reply = self._handlers[type(request)](request, owner, frame)
         except CacheError as exc:
@@ -176,6 +195,8 @@ class RankFront:
             log.exception("control: %s failed", op)
             self._metrics.control(op, "internal")
             return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
+        finally:
+            self._route, self._priority = None, True
         if isinstance(reply, bytes):
             self._metrics.control(op, reply_error(reply))
         else:
@@ -291,7 +312,7 @@ class RankFront:
             link = self._links(rank)
             assert link is not None  # checked by _batch_route
             body = frame if whole else _encoder.encode(Batch(requests=[e for _, e, _ in entries]))
-            sent.append((entries, link.request(body)))
+            sent.append((entries, self._send(link, body)))
         gathered = _gather([pending for _, pending in sent])
 
         def merge(frames: list[zmq.Frame]) -> bytes:
@@ -366,7 +387,7 @@ class RankFront:
         started = time.perf_counter()
         replies = _gather(
             [
-                link.request(_encoder.encode(Reset(rank=rank, force=True)))
+                self._send(link, _encoder.encode(Reset(rank=rank, force=True)))
                 for rank, link in zip(targets, links, strict=True)
             ]
         )
@@ -417,15 +438,37 @@ class RankFront:
                 f"({link.bytes_in_flight >> 20} MiB) in flight: read their replies first",
             )
 
-    @staticmethod
-    def _forward(link: RankLink, frame: bytes) -> Pending[bytes | memoryview]:
-        return link.request(frame).map(_reply_bytes)
+    def _send(self, link: RankLink, body: bytes) -> Pending[zmq.Frame]:
+        """Send on the connection the current client's requests to this worker are on, if
+        any is on its way (one client's requests are never reordered); else on the priority
+        one for its small control ops, the bulk one for the rest. The service's own requests
+        (no client) go on the priority one."""
+        route = self._route
+        if route is None:
+            return link.request(body, priority=True)
+        key = (route, link.rank)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(self._priority)
+        lane.in_flight += 1
+        reply = link.request(body, priority=lane.priority)
+
+        def done(_: object, __: BaseException | None) -> None:
+            lane.in_flight -= 1
+            if not lane.in_flight and self._lanes.get(key) is lane:
+                del self._lanes[key]
+
+        reply.then(done)
+        return reply
+
+    def _forward(self, link: RankLink, frame: bytes) -> Pending[bytes | memoryview]:
+        return self._send(link, frame).map(_reply_bytes)
 
     def _to_all(self, requests: list[tuple[int, bytes]]) -> Pending[list[zmq.Frame]]:
         """Each request to its rank's worker; nothing is sent unless every worker runs."""
         links = [self._link(rank) for rank, _ in requests]
         return _gather(
-            [link.request(body) for link, (_, body) in zip(links, requests, strict=True)]
+            [self._send(link, body) for link, (_, body) in zip(links, requests, strict=True)]
         )
 
     def _answer(self, request: Request, reply: Pending[Any]) -> Pending[bytes | memoryview]:

@@ -1,8 +1,14 @@
-"""The service's control connection to one rank worker: a DEALER on the worker's private
+"""The service's control connection to one rank worker: two DEALERs on the worker's private
 endpoint. Each request goes out as ``[correlation, b"", request]`` and its reply comes back
 through the same envelope (the worker's control server answers through any envelope), so
 replies that finish out of order (a store done in slices, a snapshot) still find their
 request.
+
+Two connections, because the worker's ROUTER reads its connections in turn, as a daemon reads
+its clients': stores go on the bulk one, and a reset from a client with nothing on its way to
+that worker goes on the other, so it is read next, not behind every store the service has
+forwarded for all clients (``RankFront`` picks; one client's requests stay on one connection
+while any is on its way, so they are never reordered).
 
 Served from the loop like every ZeroMQ socket here: the reader drains a bounded number of
 replies per wake-up, and after each send the socket's events are read again (a send can
@@ -36,18 +42,12 @@ class RankLink:
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str, rank: int) -> None:
         self.rank = rank
         self.endpoint = endpoint
-        sock = self._sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # The service bounds what it has in flight to a worker itself (see in_flight): ZeroMQ
-        # must never refuse a send (a reset) for a full queue.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(endpoint)
-        self._fd: int | None = None
+        self._socks = (_dealer(context, endpoint), _dealer(context, endpoint))
+        self._fds: list[int] = []
         self._waiting: dict[bytes, tuple[Pending[zmq.Frame], int]] = {}
         self.bytes_in_flight = 0
         self._ids = itertools.count()
-        self._read_scheduled = False
+        self._read_scheduled = [False, False]
         self._closed = False
 
     @property
@@ -57,25 +57,29 @@ class RankLink:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._fd = reader_fd(self._sock)
-        loop.add_reader(self._fd, self._read)
-        loop.call_soon(self._read)
+        for lane, sock in enumerate(self._socks):
+            fd = reader_fd(sock)
+            self._fds.append(fd)
+            loop.add_reader(fd, self._read, lane)
+            loop.call_soon(self._read, lane)
 
-    def request(self, frame: bytes | zmq.Frame) -> Pending[zmq.Frame]:
-        """Send one request frame; its reply frame, or LinkLost."""
+    def request(self, frame: bytes | zmq.Frame, priority: bool = False) -> Pending[zmq.Frame]:
+        """Send one request frame (on the priority connection if ``priority``); its reply
+        frame, or LinkLost."""
         reply: Pending[zmq.Frame] = Pending()
         if self._closed:
             reply.fail(LinkLost(f"rank {self.rank}'s worker is not running"))
             return reply
         correlation = next(self._ids).to_bytes(_CORRELATION, "big")
-        send = self._sock.send
+        lane = int(priority)
+        send = self._socks[lane].send
         send(correlation, _MORE)
         send(b"", _MORE)
         send(frame, _LAST, copy=not isinstance(frame, zmq.Frame))
         size = len(frame)
         self._waiting[correlation] = (reply, size)
         self.bytes_in_flight += size
-        self._rearm()
+        self._rearm(lane)
         return reply
 
     def close(self, reason: str) -> None:
@@ -83,20 +87,22 @@ class RankLink:
         if self._closed:
             return
         self._closed = True
-        if self._fd is not None:
-            asyncio.get_running_loop().remove_reader(self._fd)
-            self._fd = None
-        self._sock.close(linger=0)
+        loop = asyncio.get_running_loop()
+        for fd in self._fds:
+            loop.remove_reader(fd)
+        self._fds = []
+        for sock in self._socks:
+            sock.close(linger=0)
         waiting, self._waiting = self._waiting, {}
         self.bytes_in_flight = 0
         for pending, _ in waiting.values():
             pending.fail(LinkLost(reason))
 
-    def _read(self) -> None:
-        self._read_scheduled = False
+    def _read(self, lane: int) -> None:
+        self._read_scheduled[lane] = False
         if self._closed:
             return
-        sock = self._sock
+        sock = self._socks[lane]
         for _ in range(REPLY_BURST):
             if not readable(sock):
                 return
@@ -111,12 +117,23 @@ class RankLink:
                 pending.resolve(frames[2])
             if self._closed:  # a receiver closed it
                 return
-        self._schedule_read()
+        self._schedule_read(lane)
 
-    def _rearm(self) -> None:
-        if not self._read_scheduled and readable(self._sock):
-            self._schedule_read()
+    def _rearm(self, lane: int) -> None:
+        if not self._read_scheduled[lane] and readable(self._socks[lane]):
+            self._schedule_read(lane)
 
-    def _schedule_read(self) -> None:
-        self._read_scheduled = True
-        asyncio.get_running_loop().call_soon(self._read)
+    def _schedule_read(self, lane: int) -> None:
+        self._read_scheduled[lane] = True
+        asyncio.get_running_loop().call_soon(self._read, lane)
+
+
+def _dealer(context: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # The service bounds what it has in flight to a worker itself (see in_flight): ZeroMQ must
+    # never refuse a send (a reset) for a full queue.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(endpoint)
+    return sock
