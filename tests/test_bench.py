@@ -122,6 +122,15 @@ def test_bench_throughput_through_one_service_of_rank_processes() -> None:
     assert one_process["gaps"] == 0 and one_process["blocks"] == result["blocks"]
 
 
+def test_bench_throughput_in_batches_stores_the_same_blocks() -> None:
+    """Batch messages of stores and releases (an engine's scheduler step) through rank
+    processes: the same blocks counted, no gap, no refusal."""
+    batched = bench("throughput", *SMALL_RUN, "--ranks", "2", "--batch", "3")
+    single = bench("throughput", *SMALL_RUN, "--ranks", "2")
+    assert batched["batch"] == 3 and batched["rank_processes"] is True
+    assert batched["gaps"] == 0 and batched["blocks"] == single["blocks"] > 0
+
+
 def test_bench_per_rank_resets_fill_every_rank_and_time_each_ranks_marker() -> None:
     result = bench("throughput", *SMALL_RUN, "--ranks", "2", "--fill-blocks", "600",
                    "--load-fraction", "0.5", "--resets", "3")  # fmt: skip

@@ -31,6 +31,27 @@ def _store_and_release(position: int, rank: int, prompt: bytes) -> list[bytes]:
     ]
 
 
+def _batches(share: Sequence[tuple[int, bytes]], rank: int, size: int) -> list[bytes]:
+    """``size`` prompts' stores per ``batch`` message, each with the releases of the previous
+    message's stores (as an engine has them at a scheduler step: new requests in, finished
+    ones out); a last message of releases alone."""
+    messages: list[bytes] = []
+    previous: list[int] = []
+    for start in range(0, len(share) + size, size):
+        chunk = share[start : start + size]
+        if not chunk and not previous:
+            break
+        entries: list[dict[str, Any]] = [
+            {"op": "store", "request_id": position, "token_ids": prompt}
+            for position, prompt in chunk
+        ]
+        entries += [{"op": "release", "request_id": position} for position in previous]
+        batch = {"op": "batch", "id": len(messages), "rank": rank, "requests": entries}
+        messages.append(msgpack.packb(batch, use_bin_type=True))
+        previous = [position for position, _ in chunk]
+    return messages
+
+
 class _Failures:
     """Refused requests: counted, with the first error kept for the report."""
 
@@ -45,12 +66,23 @@ class _Failures:
 
 
 def send_rank_share(
-    control_endpoint: str, rank: int, ranks: int, requests: int, window: int, pipe: Any
+    control_endpoint: str,
+    rank: int,
+    ranks: int,
+    requests: int,
+    window: int,
+    batch: int,
+    pipe: Any,
 ) -> None:
     """Sending process of one rank: its share of the prompts (positions rank, rank + ranks,
-    ...), store + release each, ``window`` requests in flight. "ready" once connected; sends
-    on the bench's word; answers what it did and the CPU and time that took."""
+    ...), store + release each, ``window`` requests in flight (with ``batch`` > 1: that many
+    stores per ``batch`` message, see _batches, and window / batch / 2 messages in flight, at
+    least 2). "ready" once connected; sends on the bench's word; answers what it did and the
+    CPU and time that took."""
     share = share_of_prompts(requests, rank, ranks)
+    if batch > 1:
+        _send_batches(control_endpoint, rank, share, window, batch, pipe)
+        return
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -76,6 +108,54 @@ def send_rank_share(
     pipe.send(
         {
             "requests": len(share),
+            "failures": failures.count,
+            "first_error": failures.first,
+            "cpu_s": time.process_time() - cpu,
+            "wall_s": time.monotonic() - start,
+        }
+    )
+    sock.close()
+    ctx.term()
+
+
+def _send_batches(
+    control_endpoint: str,
+    rank: int,
+    share: Sequence[tuple[int, bytes]],
+    window: int,
+    batch: int,
+    pipe: Any,
+) -> None:
+    messages = _batches(share, rank, batch)
+    most = max(2, window // (2 * batch))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(control_endpoint)
+    pipe.send("ready")
+    pipe.recv()
+    cpu, start = time.process_time(), time.monotonic()
+    failures = _Failures()
+    sent = in_flight = 0
+    while sent < len(messages) or in_flight:
+        while sent < len(messages) and in_flight < most:
+            sock.send_multipart([b"", messages[sent]])
+            sent += 1
+            in_flight += 1
+        if not sock.poll(REPLY_TIMEOUT_MS):
+            failures.count += in_flight
+            failures.first = failures.first or f"no reply within {REPLY_TIMEOUT_MS} ms"
+            break
+        while in_flight and sock.poll(0):
+            reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+            failures.note(reply)
+            for entry in reply.get("replies", []):
+                failures.note(entry)
+            in_flight -= 1
+    pipe.send(
+        {
+            "requests": len(share),
+            "messages": len(messages),
             "failures": failures.count,
             "first_error": failures.first,
             "cpu_s": time.process_time() - cpu,

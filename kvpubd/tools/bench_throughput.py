@@ -42,12 +42,15 @@ def measure_throughput(
     hash_algorithm: HashAlgorithm = "sha256",
     rank_processes: RankProcessesMode = "auto",
     senders: Senders = "per-rank",
+    batch: int = 1,
 ) -> dict[str, Any]:
     """Store+release requests round-robin over ``ranks``, served by one daemon (its ranks in
     worker processes or not, as ``rank_processes`` says), or with ``daemon_per_rank`` by one
     single-rank daemon each (``cache.data_parallel_start_rank``); ``window`` requests in
     flight per rank either way, sent by one process per rank or (``senders`` "one") all from
-    this one."""
+    this one; ``batch`` > 1: that many stores per ``batch`` message (per-rank senders)."""
+    if batch > 1 and senders != "per-rank":
+        raise ValueError("--batch needs --senders per-rank")
     from kvpubd.protocol.endpoints import rank_endpoint
 
     layouts = (
@@ -96,7 +99,7 @@ def measure_throughput(
             for rank, index in enumerate(route):
                 endpoint = daemons[index].control_endpoint
                 args = (endpoint, rank, ranks, requests, window)
-                sending.append(start_child(stack, send_rank_share, *args))
+                sending.append(start_child(stack, send_rank_share, *args, batch))
             for rank, pipe in enumerate(sending):
                 if answer(pipe, f"rank {rank}'s sender", 300) != "ready":
                     raise RuntimeError(f"rank {rank}'s sender did not start")
@@ -139,6 +142,7 @@ def measure_throughput(
         "decoded_by": "vllm" if kv_path else "msgpack",
         "requests": requests,
         "window_per_rank": window,
+        "batch": batch,
         "ranks": ranks,
         "daemons": len(daemons),
         "rank_processes": workers > 0,
@@ -196,6 +200,14 @@ def bench_throughput(
             "it serves more than one), on, or off (every rank in the daemon's process)."
         ),
     ] = "auto",
+    batch: Annotated[
+        int,
+        typer.Option(
+            help="Stores per control message: 1, a store and a release message per prompt; N, "
+            "a batch op of N stores and the previous batch's releases (as an engine has them "
+            "at a scheduler step; per-rank senders)."
+        ),
+    ] = 1,
     senders: Annotated[
         Senders,
         typer.Option(
@@ -252,8 +264,11 @@ def bench_throughput(
         ("--window", window),
         ("--num-blocks", num_blocks),
         ("--ranks", ranks),
+        ("--batch", batch),
     ):
         check_positive(option, value, integer=True)
+    if batch > 1 and senders != "per-rank":
+        raise fail("--batch needs --senders per-rank", USAGE)
     if resets is not None:
         check_positive("--resets", resets, integer=True)
     per_rank_resets = fill_blocks > 0 or (ranks > 1 and bool(load_fraction))
@@ -270,6 +285,7 @@ def bench_throughput(
             hash_algorithm,
             rank_processes,
             senders,
+            batch,
         )
     if against_vllm:
         from kvpubd.tools.bench_blockpool import beside_vllm
