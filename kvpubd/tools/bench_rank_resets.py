@@ -50,7 +50,10 @@ def default_rounds(fill_blocks: int) -> int:
 
 def watch_markers(endpoint: str, pipe: Any) -> None:
     """One rank's stream, drained as it comes: ("marker", seq, arrival ns) for each batch
-    holding AllBlocksCleared; on None from the bench, its totals (batches, seq gaps) and end."""
+    holding AllBlocksCleared; a seq from the bench is answered ("reached", seq) once the batch
+    of that seq was read (so that a reset's marker is not timed from behind the backlog of a
+    fill, which a subscriber that keeps up would have read); on None from the bench, its
+    totals (batches, seq gaps) and end."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
@@ -61,6 +64,7 @@ def watch_markers(endpoint: str, pipe: Any) -> None:
     poller.register(pipe.fileno(), zmq.POLLIN)
     batches = gaps = 0
     last_seq: int | None = None
+    wanted: int | None = None
     while True:
         ready = dict(poller.poll(1000))
         if sub in ready:
@@ -72,8 +76,14 @@ def watch_markers(endpoint: str, pipe: Any) -> None:
                 gaps += last_seq is not None and seq != last_seq + 1
                 last_seq = seq
                 batches += 1
-        if pipe.fileno() in ready and pipe.recv() is None:
-            break
+        if pipe.fileno() in ready:
+            command = pipe.recv()
+            if command is None:
+                break
+            wanted = command
+        if wanted is not None and last_seq is not None and last_seq >= wanted:
+            pipe.send(("reached", wanted, 0))
+            wanted = None
     pipe.send({"batches": batches, "gaps": gaps})
     sub.close(linger=0)
     ctx.term()
@@ -192,13 +202,27 @@ class _Markers:
     def __init__(self, pipes: list[Any]) -> None:
         self.pipes = pipes
         self.seen: list[dict[int, int]] = [{} for _ in pipes]
+        self.reached: list[int] = [-1 for _ in pipes]
 
     def collect(self, timeout_s: float) -> None:
         ready = wait(self.pipes, timeout_s)
         for rank, pipe in enumerate(self.pipes):
             while pipe in ready and pipe.poll(0):
-                _, seq, arrived = pipe.recv()
-                self.seen[rank][seq] = arrived
+                kind, seq, arrived = pipe.recv()
+                if kind == "reached":
+                    self.reached[rank] = max(self.reached[rank], seq)
+                else:
+                    self.seen[rank][seq] = arrived
+
+    def read_up_to(self, seqs: list[int], timeout_s: float = 300) -> None:
+        """Until every watcher has read its rank's batches up to ``seqs[rank]``."""
+        for pipe, seq in zip(self.pipes, seqs, strict=True):
+            pipe.send(seq)
+        deadline = time.monotonic() + timeout_s
+        while any(r < s for r, s in zip(self.reached, seqs, strict=True)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the rank watchers did not read the fill's batches")
+            self.collect(0.05)
 
     def arrival(self, rank: int, seq: int, deadline: float) -> int | None:
         """When rank's marker ``seq`` arrived (ns), waiting until ``deadline`` for it."""
@@ -337,6 +361,9 @@ def _phase(
         while any(rank.events_pending for rank in stats):
             markers.collect(0.005)
             stats = client.stats().ranks
+        # Read as a subscriber that keeps up would have (the 1M-block fill's batches are
+        # megabytes a rank): a marker is timed from an idle stream, not from its backlog.
+        markers.read_up_to([rank.seq for rank in stats])
         fill_s.append(time.monotonic() - filling)
         cached = min(rank.blocks_cached for rank in stats)
         cached_min = cached if cached_min is None else min(cached_min, cached)
