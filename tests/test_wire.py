@@ -643,3 +643,15 @@ def test_an_array_the_encoder_meets_among_the_token_arrays_is_not_taken_for_one(
         [0, 1, 2],
         tokens.tolist(),
     ]
+
+
+def test_block_hashes_given_as_an_array_between_stores_of_token_arrays_read_back_exactly() -> None:
+    """An array the encoder meets among the token arrays (block hashes of a removal, given as
+    an array): it is written as its own list, and each store keeps its own token ids."""
+    tokens = [np.arange(i, i + 16, dtype=np.uint32) * 5000 for i in range(3)]
+    events: list[Any] = stores_of_arrays(tokens)
+    events.insert(1, BlockRemoved(block_hashes=np.arange(3, dtype=np.uint64), medium="GPU"))  # type: ignore[arg-type]
+    decoded = msgpack.unpackb(BatchEncoder("map", 0).encode(1.0, events))[1]
+    assert decoded[1]["block_hashes"] == [0, 1, 2]
+    del decoded[1]
+    assert [e["token_ids"] for e in decoded] == [t.tolist() for t in tokens]

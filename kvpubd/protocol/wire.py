@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterator
+from collections import deque
 from typing import Any, ClassVar, Literal, cast
 
 import msgspec
@@ -194,11 +194,11 @@ def _encodable(tokens: object) -> bool:
     return type(tokens) is np.ndarray and tokens.dtype.kind == "u" and tokens.itemsize <= 4
 
 
+_ARRAYS = {np.ndarray}
+
+
 class _OutOfStep(Exception):
-    """The encoder asked for something other than the next token array (see BatchEncoder)."""
-
-
-_NO_ARRAY: tuple[object, msgspec.Raw] = (None, msgspec.Raw())
+    """The encoder met the token arrays other than one each, in order (see BatchEncoder)."""
 
 
 def pack_seq(seq: int) -> bytes:
@@ -276,10 +276,12 @@ class BatchEncoder:
         # Appended to every batch as its 4th element (the snapshot protocol) when set.
         self.publisher_id = publisher_id
         self._tokens = _TokenArrays()
-        # (array, its msgpack form) of the batch's token arrays in the order the encoder meets
-        # them (events in order, token_ids once per BlockStored): the hook takes the next one.
-        self._raws: Iterator[tuple[object, msgspec.Raw]] = iter(())
-        self._encode_into = msgspec.msgpack.Encoder(enc_hook=self._next_raw).encode_into
+        # The msgpack forms of the batch's token arrays, in the order the encoder meets the
+        # arrays (events in order, token_ids once per BlockStored). The hook takes the next,
+        # all in C: next(iter(popleft, None), obj), a Python call a third the cost.
+        self._raws: deque[msgspec.Raw] = deque()
+        take_next = functools.partial(next, iter(self._raws.popleft, None))
+        self._encode_into = msgspec.msgpack.Encoder(enc_hook=take_next).encode_into
         # Any mix of token ids (lists, other dtypes): each array looked up by id.
         self._by_id: dict[int, msgspec.Raw] = {}
         self._encode_mixed_into = msgspec.msgpack.Encoder(enc_hook=self._raw_by_id).encode_into
@@ -289,12 +291,6 @@ class BatchEncoder:
         # time on the H200 host).
         self._out = bytearray(1 << 16)
         self._array = wire_format == "array"
-
-    def _next_raw(self, obj: Any) -> Any:
-        array, raw = next(self._raws, _NO_ARRAY)
-        if array is not obj:
-            raise _OutOfStep
-        return raw
 
     def _raw_by_id(self, obj: Any) -> Any:
         raw = self._by_id.get(id(obj))
@@ -316,19 +312,23 @@ class BatchEncoder:
         out = self._out
         # The daemon's token ids are the cache's uint32 arrays: a batch's are encoded together
         # and handed to the encoder in the order it meets them, with no lookup per array.
+        # Each NumPy array costs the encoder one call of the hook, anything else it cannot
+        # write one more: so the hook's queue is empty at the end, and was never found empty,
+        # exactly when each call took its own array's form.
         arrays = [e.token_ids for e in events if type(e) is BlockStored]
+        raws = self._raws
         try:
-            raws = self._tokens.raws(arrays) if arrays else []
-            if raws is None:
-                raise _OutOfStep
-            self._raws = zip(arrays, raws, strict=False)  # as long as each other
-            # (One met fewer times, e.g. a memoryview the encoder writes as bin, leaves the
-            # rest unused: what it wrote is the batch all the same.)
+            if arrays:
+                tokens = self._tokens.raws(arrays) if set(map(type, arrays)) == _ARRAYS else None
+                if tokens is None:
+                    raise _OutOfStep
+                raws.extend(tokens)
             self._encode_into(batch, out)
-        except _OutOfStep:  # not all of them such arrays (lists, other dtypes)
+            if raws:
+                raise _OutOfStep
+        except (_OutOfStep, IndexError):  # not all such arrays (lists, other dtypes)
+            raws.clear()
             self._encode_mixed(events, batch, out)
-        finally:
-            self._raws = iter(())
         payload = bytes(out)
         if len(payload) > _KEPT_BUFFER_BYTES:  # a rare huge batch: do not keep its memory
             self._out = bytearray(1 << 16)
