@@ -182,6 +182,7 @@ def test_bench_against_vllm_decodes_both_streams_with_vllms_types(decoders: int)
     assert result["decoders"] == decoders
     assert result["kvpubd_blocks_per_s"] > 0 and result["vllm_blocks_per_s"] > 0
     assert result["kvpubd_cpu_us_per_block"] > 0 and result["vllm_cpu_us_per_block"] > 0
+    assert result["paired_cpu_ratio"] > 0
     assert all(0 < busy <= 1 for busy in result["decoder_busy"].values())
 
 

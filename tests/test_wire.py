@@ -24,7 +24,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpubd.protocol.wire import BatchEncoder, BlockStored, Event, decode_batch
+from kvpubd.protocol.wire import BatchEncoder, BlockRemoved, BlockStored, Event, decode_batch
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import independent_digest, independent_root_key
@@ -607,3 +607,51 @@ def test_a_batch_larger_than_the_kept_buffer_and_one_after_it_read_back_whole() 
     for arrays in ([huge], [small]):
         decoded = msgpack.unpackb(encoder.encode(1.0, stores_of_arrays(arrays)))[1]
         assert [e["token_ids"] for e in decoded] == [a.tolist() for a in arrays]
+
+
+def test_token_ids_of_every_kind_in_one_batch_read_back_exactly() -> None:
+    """The cache's uint32 arrays beside token ids of other kinds (a list, signed and 64-bit
+    arrays, one array in two events): each reads back as its own ids."""
+    cache = [np.arange(i, i + 16, dtype=np.uint32) * 5000 for i in range(4)]
+    kinds: list[Any] = [
+        cache[0],
+        [7, 8, 9],
+        cache[1],
+        np.arange(16, dtype=np.int64),
+        cache[2],
+        np.arange(16, dtype=np.uint64) + 2**40,
+        cache[3],
+        cache[3],
+    ]
+    encoder = BatchEncoder("map", 0)
+    for _ in range(2):  # and the next batch from the same encoder
+        decoded = msgpack.unpackb(encoder.encode(1.0, stores_of_arrays(kinds)))[1]
+        assert [e["token_ids"] for e in decoded] == [np.asarray(k).tolist() for k in kinds]
+
+
+def test_an_array_the_encoder_meets_among_the_token_arrays_is_not_taken_for_one() -> None:
+    """Token ids the encoder writes as they are (a memoryview: bin), then block hashes given
+    as an array, then a store of the cache's arrays: the encoder meets the hashes where it
+    expects the next token array, and writes them as their own list."""
+    tokens = np.arange(16, dtype=np.uint32) * 5000
+    events: list[Any] = stores_of_arrays([memoryview(b"\x01\x02"), tokens])  # type: ignore[list-item]
+    hashes = np.arange(3, dtype=np.uint64)
+    events.insert(1, BlockRemoved(block_hashes=hashes, medium="GPU"))  # type: ignore[arg-type]
+    decoded = msgpack.unpackb(BatchEncoder("map", 0).encode(1.0, events))[1]
+    assert [decoded[0]["token_ids"], decoded[1]["block_hashes"], decoded[2]["token_ids"]] == [
+        b"\x01\x02",
+        [0, 1, 2],
+        tokens.tolist(),
+    ]
+
+
+def test_block_hashes_given_as_an_array_between_stores_of_token_arrays_read_back_exactly() -> None:
+    """An array the encoder meets among the token arrays (block hashes of a removal, given as
+    an array): it is written as its own list, and each store keeps its own token ids."""
+    tokens = [np.arange(i, i + 16, dtype=np.uint32) * 5000 for i in range(3)]
+    events: list[Any] = stores_of_arrays(tokens)
+    events.insert(1, BlockRemoved(block_hashes=np.arange(3, dtype=np.uint64), medium="GPU"))  # type: ignore[arg-type]
+    decoded = msgpack.unpackb(BatchEncoder("map", 0).encode(1.0, events))[1]
+    assert decoded[1]["block_hashes"] == [0, 1, 2]
+    del decoded[1]
+    assert [e["token_ids"] for e in decoded] == [t.tolist() for t in tokens]

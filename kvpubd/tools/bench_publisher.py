@@ -214,6 +214,7 @@ def _bench_against_vllm(batches: int, rounds: int, decoders: int, as_json: bool)
         "paired rounds",
         "kvpubd CPU us/block",
         "vLLM CPU us/block",
+        "CPU vLLM / kvpubd (paired)",
         "decoder busy kvpubd / vLLM",
     ):
         table.add_column(column, justify="right")
@@ -224,6 +225,7 @@ def _bench_against_vllm(batches: int, rounds: int, decoders: int, as_json: bool)
         f"{result['paired_ratio']:.2f}x",
         f"{result['kvpubd_cpu_us_per_block']:.3f}",
         f"{result['vllm_cpu_us_per_block']:.3f}",
+        f"{result['cpu_ratio']:.2f}x ({result['paired_cpu_ratio']:.2f}x)",
         f"{result['decoder_busy']['kvpubd']:.0%} / {result['decoder_busy']['vllm']:.0%}",
     )
     Console().print(table)
