@@ -22,7 +22,9 @@ from kvpubd.protocol.control import (
     ChecksumReply,
     ControlReply,
     ControlRequest,
+    Release,
     SnapshotReply,
+    Store,
     int_list,
     ok_reply,
     ok_reply_head,
@@ -42,6 +44,10 @@ REQUEST_FIELDS: dict[str, Any] = {
     "force": True,
     "token_ids": int_list(range(2 * BLOCK_SIZE + 3)),
     "block_ids": int_list([0, 1, 2]),
+    "requests": [
+        Store(id=8, request_id="req-2", token_ids=int_list(range(BLOCK_SIZE + 1))),
+        Release(id=9, request_id="req-2"),
+    ],
 }
 # Long enough that the daemon takes it a slice at a time (not in one msgspec call).
 LONG_TOKENS = int_list(range(20_000))
