@@ -166,7 +166,7 @@ def test_a_large_store_reads_the_same_whichever_way_the_daemon_reads_it(
     assert read_as_sent(in_a_bin) == "bad_request"
     for frame, tokens in zip(in_the_id, earlier, strict=True):
         request = read_as_sent(frame)
-        assert isinstance(request, ControlRequest)
+        assert isinstance(request, Store)
         assert bytes(memoryview(request.token_ids)) == packer.pack(tokens)
 
 
