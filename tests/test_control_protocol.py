@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import msgspec
 import pytest
 
@@ -51,6 +52,8 @@ REQUEST_FIELDS: dict[str, Any] = {
 }
 # Long enough that the daemon takes it a slice at a time (not in one msgspec call).
 LONG_TOKENS = int_list(range(20_000))
+# Packed tokens in a frame too large for one msgspec call over all of it.
+LONG_PACKED = packed_uint32(bytes(range(256)) * 64)
 
 
 def example_request(cls: type[ControlRequest], **overrides: Any) -> ControlRequest:
@@ -92,7 +95,9 @@ def test_every_request_the_client_encodes_is_what_the_daemon_decodes(
 
 
 @pytest.mark.parametrize(
-    "token_ids", [LONG_TOKENS, packed_uint32(bytes(range(64)))], ids=["long list", "packed"]
+    "token_ids",
+    [LONG_TOKENS, packed_uint32(bytes(range(64))), LONG_PACKED],
+    ids=["long list", "packed", "long packed"],
 )
 def test_store_token_forms_round_trip(client: ControlClient, token_ids: msgspec.Raw) -> None:
     store = next(cls for cls in REQUEST_TYPES if "token_ids" in cls.__struct_fields__)
@@ -101,6 +106,68 @@ def test_store_token_forms_round_trip(client: ControlClient, token_ids: msgspec.
     assert parsed(frame) == msgspec.structs.replace(request, id=request_id)
     # The client puts the integer list last: the daemon never walks past it.
     assert frame.endswith(bytes(memoryview(token_ids)))
+
+
+def read_by_the_walk(frame: bytes) -> ControlRequest | str:
+    """The request the field walk reads from ``frame`` (or its refusal's code): what a large
+    frame is, however the daemon comes to read it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(control_frames, "_store_of_packed_tokens", lambda frame: None)
+        try:
+            return parsed(frame)
+        except control_frames.ProtocolError as exc:
+            return exc.code
+
+
+def read_as_sent(frame: bytes) -> ControlRequest | str:
+    try:
+        return parsed(frame)
+    except control_frames.ProtocolError as exc:
+        return exc.code
+
+
+def test_a_large_store_reads_the_same_whichever_way_the_daemon_reads_it(
+    client: ControlClient,
+) -> None:
+    """Packed tokens ending the frame are read without walking the fields: the same request,
+    also where the bytes of a tokens key followed by a bin reaching the frame's end lie
+    somewhere else than at the request's own ``token_ids``."""
+    store = next(cls for cls in REQUEST_TYPES if "token_ids" in cls.__struct_fields__)
+    _, sent = client_frame(client, example_request(store, token_ids=LONG_PACKED))
+    tail = b"\x07" * 9000
+    packer = msgpack.Packer(use_bin_type=True)
+    head = packer.pack_map_header(4) + packer.pack("op") + packer.pack("store")
+    head += packer.pack("id") + packer.pack(1)
+    # token_ids under a str8 key is a bin holding a fixstr key and the header of a bin that
+    # runs to the frame's end; after it, that bin's data: trailing bytes.
+    fake = b"\xa9token_ids\xc6" + len(tail).to_bytes(4, "big")
+    inside = (fake + tail)[:20]
+    in_a_bin = head + packer.pack("request_id") + packer.pack("r") + b"\xd9\x09token_ids"
+    in_a_bin += b"\xc4" + bytes([len(inside)]) + (fake + tail)
+    # The request's token_ids (under a str8 key) come earlier: empty, or the very bytes of the
+    # stand-in the daemon decodes in their place; its id is a map whose key ends in the
+    # tokens key.
+    earlier = [b"", control_frames._MARK]
+    in_the_id = [
+        packer.pack_map_header(4)
+        + packer.pack("op")
+        + packer.pack("store")
+        + packer.pack("request_id")
+        + packer.pack("r")
+        + b"\xd9\x09token_ids"
+        + packer.pack(tokens)
+        + packer.pack("id")
+        + packer.pack({"\u00a9token_ids": tail})
+        for tokens in earlier
+    ]
+    for frame in (sent, in_a_bin, *in_the_id):
+        assert len(frame) > control_frames.ONE_CALL_BYTES
+        assert read_as_sent(frame) == read_by_the_walk(frame)
+    assert read_as_sent(in_a_bin) == "bad_request"
+    for frame, tokens in zip(in_the_id, earlier, strict=True):
+        request = read_as_sent(frame)
+        assert isinstance(request, Store)
+        assert bytes(memoryview(request.token_ids)) == packer.pack(tokens)
 
 
 def test_integer_lists_are_each_requests_last_field() -> None:

@@ -24,6 +24,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpubd.protocol.hashing import HashAlgorithm, chain_digests
 from kvpubd.protocol.wire import BatchEncoder, BlockRemoved, BlockStored, Event, decode_batch
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
@@ -199,6 +200,23 @@ def expected_digests(
         prev = independent_digest(prev + struct.pack(f"<{block_size}I", *block), algorithm)
         out.append(prev)
     return out
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxhash"])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_the_chain_hashes_every_byte_of_each_block(
+    algorithm: HashAlgorithm, block_size: int
+) -> None:
+    """Blocks whose last bytes are zeros (token id 0, small ids' high bytes) keep them, a
+    strided view hashes its values, and a partial tail is left out."""
+    tokens = [7, 0, 0, 256, 0, 0, 1 << 24, 0, 0, 0, 5] * 5
+    root = independent_root_key(None, None, algorithm)
+    expected = expected_digests(tokens, block_size, algorithm=algorithm)
+    packed = np.array(tokens, dtype="<u4")
+    assert chain_digests(packed, block_size, root, algorithm) == expected
+    strided = np.repeat(packed, 2)[::2]
+    assert chain_digests(strided, block_size, root, algorithm) == expected
+    assert chain_digests(packed[: block_size - 1], block_size, root, algorithm) == []
 
 
 def to_wire(digest: bytes, hash_format: str) -> Hash:

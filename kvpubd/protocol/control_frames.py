@@ -51,6 +51,11 @@ PEEK_BEHIND_BYTES = 256 << 10
 _READ_BYTES = 64 << 10
 # Frames that are not a map are decoded for the error message only when this small.
 _DECODE_FOR_MESSAGE_BYTES = 64 << 10
+# The key of packed tokens as the client library writes it (a fixstr), and the bin that stands
+# in for them while the rest of the request is decoded: 8 bytes that no request needs to hold.
+_TOKENS_KEY = b"\xa9token_ids"
+_MARK = b"\x00kvpubd\xff"
+_STAND_IN = b"\xc4\x08" + _MARK
 
 _decoder = msgspec.msgpack.Decoder(Request)
 REQUEST_TYPE_OF: dict[str, Any] = dict(zip(OPS, REQUEST_TYPES, strict=True))
@@ -78,6 +83,10 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
         else:
             _check_int_lists(request, max_tokens)
             return request
+    else:
+        packed = _store_of_packed_tokens(frame)
+        if packed is not None:  # a bin: no count to check against max_tokens
+            return packed
     obj = _decode_map(frame, max_tokens)
     request_id = obj.get("id")
     if not all(isinstance(key, str) for key in obj):
@@ -99,6 +108,32 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
         raise ProtocolError("bad_request", describe(exc), request_id) from None
     _check_int_lists(converted, max_tokens)
     return converted
+
+
+def _store_of_packed_tokens(frame: bytes) -> Store | None:
+    """A store whose packed tokens end the frame, as the client library sends one, decoded in
+    one msgspec call (walking the fields cost about 180k instructions a request, 0.7k a
+    stored block); None for any other frame, which the walk then reads.
+
+    What comes before the tokens is decoded with a stand-in bin in their place, so the call
+    reads at most ``ONE_CALL_BYTES``. It stands for the frame only where the decoder took
+    that bin itself as ``token_ids`` (its mark appears nowhere else): everything before it
+    was read from the same bytes, and a bin ends where its header says, so the frame is the
+    same map with the real bin there."""
+    key = frame.find(_TOKENS_KEY, 0, ONE_CALL_BYTES)
+    if key < 0:
+        return None
+    start = key + len(_TOKENS_KEY)
+    span = bin_span(frame, start) if start < len(frame) else None
+    if span is None or span[1] != len(frame) or frame.find(_MARK, 0, start) >= 0:
+        return None
+    try:
+        request = _decoder.decode(frame[:start] + _STAND_IN)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(request, Store) or bytes(memoryview(request.token_ids)) != _STAND_IN:
+        return None  # that was not the request's token_ids: the walk finds out what is
+    return msgspec.structs.replace(request, token_ids=msgspec.Raw(memoryview(frame)[start:]))
 
 
 def _check_int_lists(request: Request, max_tokens: int) -> None:
