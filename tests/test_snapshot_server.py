@@ -145,6 +145,28 @@ async def test_requests_waiting_together_share_one_build(rig: Rig) -> None:
     assert {(seq_of(r), len(r)) for r in replies} == {(0, 4)}
 
 
+async def test_a_snapshot_retired_before_its_waiters_were_answered_is_not_served(
+    rig: Rig,
+) -> None:
+    """The state moves on (seq 1) just as a build finishes, and the snapshot is retired (its
+    chunks let go of, as the reaper does) before the endpoint's pump, a loop turn or two
+    behind the build's end, reads it: the waiting request is answered from a newer build,
+    never with what is left of the retired one."""
+    sock = rig.client()
+    sock.send(b"snapshot")
+    await until(lambda: rig.builds.jobs, "a build")
+    rig.history.publish([])  # seq 1 (for the test's builds: the state moved on)
+    retired = snapshot_at(0, blocks=2)
+    rig.builds.jobs[0].result.set_result(retired)
+    while not retired.free_some():  # in this turn: before the pump can run
+        pass
+    await until(lambda: len(rig.builds.jobs) == 2 or sock.poll(0), "a newer build")
+    assert not sock.poll(0), f"answered from a retired snapshot: {sock.recv_multipart()}"
+    rig.builds.jobs[1].result.set_result(snapshot_at(1, blocks=3))
+    reply = await reply_of(sock)
+    assert (seq_of(reply), len(reply)) == (1, 5)
+
+
 async def test_a_failed_build_answers_unavailable_and_the_next_request_gets_a_new_one(
     rig: Rig,
 ) -> None:

@@ -240,6 +240,8 @@ class History:
 
     async def _put_together(self, job: asyncio.Future[Snapshot]) -> SnapshotBatch:
         snapshot = await asyncio.shield(job)
+        while snapshot.freed and self.lost_history is not None:  # retired: the newer build
+            snapshot = await asyncio.shield(self.lost_history().result)
         payload = await snapshot.batch_payload(
             time.time(), self.rank, self.wire_format, self.publisher_id
         )

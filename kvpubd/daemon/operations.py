@@ -332,6 +332,8 @@ class Operations:
     ) -> Buffer:
         try:
             snapshot = await asyncio.shield(job)
+            while snapshot.freed:  # retired before this woke up: the newer build
+                snapshot = await asyncio.shield(self._pipeline(rank).snapshot().result)
         except Exception as exc:
             log.debug("snapshot of rank %d failed: %r", rank, exc)
             error = error_reply(request.id, "internal", f"snapshot failed: {exc!r}")

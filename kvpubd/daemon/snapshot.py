@@ -72,6 +72,17 @@ class Snapshot:
     chunks: list[bytes]
     bodies: list[memoryview]
     nbytes: int  # the chunks' bytes, as built (what replies still in flight keep alive)
+    built_chunks: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "built_chunks", len(self.chunks))
+
+    @property
+    def freed(self) -> bool:
+        """Whether the reaper has begun letting go of its chunks: the rank's state moved on
+        and the snapshot was retired while a reader had yet to take its chunks (its done
+        callback or wakeup still queued). Such a reader asks for a newer build instead."""
+        return len(self.chunks) < self.built_chunks
 
     def free_some(self) -> bool:
         """Let go of about FREE_STEP_BYTES of chunks; True once none is left. The reaper calls

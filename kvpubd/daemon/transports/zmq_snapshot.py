@@ -207,6 +207,8 @@ class SnapshotEndpoint:
                 self._queue_unavailable(envelope)
             return
         snapshot = job.result()
+        if snapshot.freed:  # retired before we got to it: the waiting wait for a newer build
+            return
         answered = [envelope for envelope, seen in self._waiting if seen <= snapshot.seq]
         self._waiting = [w for w in self._waiting if w[1] > snapshot.seq]
         # (A run that serves snapshots never numbers past MAX_SIGNED_SEQ.)
