@@ -125,7 +125,8 @@ def test_bench_throughput_through_one_service_of_rank_processes() -> None:
 def test_bench_throughput_in_batches_stores_the_same_blocks() -> None:
     """Batch messages of stores and releases (an engine's scheduler step) through rank
     processes: the same blocks counted, no gap, no refusal."""
-    batched = bench("throughput", *SMALL_RUN, "--ranks", "2", "--batch", "3")
+    batched = bench("throughput", *SMALL_RUN, "--ranks", "2", "--batch", "3",
+                    "--rank-processes", "on")  # fmt: skip
     single = bench("throughput", *SMALL_RUN, "--ranks", "2")
     assert batched["batch"] == 3 and batched["rank_processes"] is True
     assert batched["gaps"] == 0 and batched["blocks"] == single["blocks"] > 0
@@ -133,7 +134,7 @@ def test_bench_throughput_in_batches_stores_the_same_blocks() -> None:
 
 def test_bench_per_rank_resets_fill_every_rank_and_time_each_ranks_marker() -> None:
     result = bench("throughput", *SMALL_RUN, "--ranks", "2", "--fill-blocks", "600",
-                   "--load-fraction", "0.5", "--resets", "3")  # fmt: skip
+                   "--load-fraction", "0.5", "--resets", "3", "--rank-processes", "on")  # fmt: skip
     resets = result["per_rank_resets"]
     assert (resets["ranks"], resets["rank_processes"], resets["gaps"]) == (2, True, 0)
     assert [phase["load_fraction"] for phase in resets["phases"]] == [0.0, 0.5]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -365,9 +366,25 @@ def create_service(
     return Service(settings, reload_settings, start_lines)
 
 
-def uses_rank_processes(settings: Settings) -> bool:
+def uses_rank_processes(settings: Settings, cpus: int | None = None) -> bool:
+    """Whether ``settings`` ask for rank workers: "on", or "auto" with more than one rank and
+    a CPU for each worker and one for the service (of the ``cpus`` this process may use). With
+    fewer, the workers and the service would take turns on the same CPUs, and a reset would
+    wait for two of them to be scheduled instead of one: on 2 CPUs under every soak load at
+    once, 2 workers gave a reset p99 of 461 ms against 24 ms in one process."""
     mode = settings.service.rank_processes
-    return mode == "on" or (mode == "auto" and len(settings.cache.ranks) > 1)
+    if mode != "auto":
+        return mode == "on"
+    ranks = len(settings.cache.ranks)
+    return ranks > 1 and (usable_cpus() if cpus is None else cpus) >= ranks + 1
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, where the OS tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 __all__: Sequence[str] = [

@@ -234,9 +234,9 @@ class ServiceConfig(_Section):
     # How long shutdown waits for ZeroMQ to hand queued messages to subscribers.
     linger_ms: int = Field(2000, ge=0, le=3_600_000)
     # Each rank in a worker process of its own under this one ("on"), all ranks in this
-    # process ("off"), or "auto": worker processes when more than one rank is served (one
-    # Python thread serves all ranks otherwise, so throughput would not grow with them).
-    # Either way clients see the same endpoints and protocol.
+    # process ("off"), or "auto": worker processes when more than one rank is served and the
+    # machine has a CPU for each and one more (one Python thread serves all ranks otherwise,
+    # so throughput would not grow with them). Clients see the same endpoints and protocol.
     rank_processes: Literal["auto", "on", "off"] = "auto"
     # A rank worker that dies is started again, up to this many times in rank_restart_window_s
     # (its seq goes on, its first batch is AllBlocksCleared); one more death stops the service
