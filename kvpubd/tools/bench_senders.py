@@ -81,53 +81,13 @@ def send_rank_share(
     CPU and time that took."""
     share = share_of_prompts(requests, rank, ranks)
     if batch > 1:
-        _send_batches(control_endpoint, rank, share, window, batch, pipe)
-        return
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(control_endpoint)
-    pipe.send("ready")
-    pipe.recv()
-    cpu, start = time.process_time(), time.monotonic()
-    failures = _Failures()
-    sent = in_flight = 0
-    while sent < len(share) or in_flight:
-        while sent < len(share) and in_flight < window:
-            for request in _store_and_release(share[sent][0], rank, share[sent][1]):
-                sock.send_multipart([b"", request])
-            sent += 1
-            in_flight += 2
-        if not sock.poll(REPLY_TIMEOUT_MS):
-            failures.count += in_flight
-            failures.first = failures.first or f"no reply within {REPLY_TIMEOUT_MS} ms"
-            break
-        while in_flight and sock.poll(0):
-            failures.note(msgpack.unpackb(sock.recv_multipart()[-1], raw=False))
-            in_flight -= 1
-    pipe.send(
-        {
-            "requests": len(share),
-            "failures": failures.count,
-            "first_error": failures.first,
-            "cpu_s": time.process_time() - cpu,
-            "wall_s": time.monotonic() - start,
-        }
-    )
-    sock.close()
-    ctx.term()
-
-
-def _send_batches(
-    control_endpoint: str,
-    rank: int,
-    share: Sequence[tuple[int, bytes]],
-    window: int,
-    batch: int,
-    pipe: Any,
-) -> None:
-    messages = _batches(share, rank, batch)
-    most = max(2, window // (2 * batch))
+        messages = _batches(share, rank, batch)
+        most = max(2, window // (2 * batch))
+    else:
+        messages = [
+            m for position, prompt in share for m in _store_and_release(position, rank, prompt)
+        ]
+        most = window
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -149,7 +109,7 @@ def _send_batches(
         while in_flight and sock.poll(0):
             reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
             failures.note(reply)
-            for entry in reply.get("replies", []):
+            for entry in reply.get("replies", []):  # a batch's requests
                 failures.note(entry)
             in_flight -= 1
     pipe.send(
