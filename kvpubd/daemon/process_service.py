@@ -127,14 +127,8 @@ class ProcessService(Service):
                 return f"rank {rank}'s worker is not running"
         return None
 
-    def reload(self) -> None:
-        super().reload()
-        if self._reload_settings is None:
-            return
-        try:
-            level = self._reload_settings().service.log_level
-        except Exception:  # reported by super().reload()
-            return
+    def _set_log_level(self, level: str) -> None:
+        super()._set_log_level(level)
         for process in self._processes.values():
             process.say(f"level {level}")
 

@@ -202,7 +202,7 @@ class Service:
         except ConfigError as exc:
             log.error("SIGHUP: config error: %s; nothing reloaded", exc)
             return
-        logs.set_level(fresh.service.log_level)
+        self._set_log_level(fresh.service.log_level)
         reloaded = f"log level {fresh.service.log_level}"
         curve = self.control.curve if self.control is not None else None
         if self._key_reload is not None:
@@ -221,6 +221,10 @@ class Service:
         ]
         if changed:
             log.warning("SIGHUP: %s changed; restart the daemon to apply", ", ".join(changed))
+
+    def _set_log_level(self, level: str) -> None:
+        """SIGHUP's log level, here (a service of rank processes passes it on)."""
+        logs.set_level(level)
 
     async def _reload_keys(self, curve: CurveServer, reloaded: str) -> None:
         try:
