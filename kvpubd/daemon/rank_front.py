@@ -253,15 +253,9 @@ class RankFront:
     # -- ops of one rank ---------------------------------------------------------------------
 
     def _store(self, request: Store, owner: Owner | None, frame: bytes) -> Reply:
-        rank = self._rank(request.rank)
         request_id = request.request_id
-        if request_id in self._open:
-            raise CacheError("duplicate_request", f"request {request_id!r} is already open")
-        link = self._link(rank)
-        self._check_room(link)
-        entry = self._open[request_id] = _OpenRequest(rank)
-        self.owners.claim(owner, request_id)
-        reply = self._forward(link, frame)
+        entry = self._open_store(request_id, self._rank(request.rank), owner)
+        reply = self._forward(self._link(entry.rank), frame)
 
         def settle(value: bytes | memoryview | None, _: BaseException | None) -> None:
             self._settle_store(request_id, entry, bytes(value) if value is not None else None)
@@ -270,11 +264,26 @@ class RankFront:
         return self._answer(request, reply)
 
     def _release(self, request: Release, owner: Owner | None, frame: bytes) -> Reply:
-        self.owners.drop(request.request_id)
-        entry = self._open.pop(request.request_id, None)
+        rank = self._close_request(request.request_id)
+        return self._answer(request, self._forward(self._link(rank), frame))
+
+    def _open_store(self, request_id: RequestId, rank: int, owner: Owner | None) -> _OpenRequest:
+        """The open request a store to ``rank`` makes (CacheError: a duplicate, the rank's
+        worker down or full), claimed by ``owner``."""
+        if request_id in self._open:
+            raise CacheError("duplicate_request", f"request {request_id!r} is already open")
+        self._check_room(self._link(rank))
+        entry = self._open[request_id] = _OpenRequest(rank)
+        self.owners.claim(owner, request_id)
+        return entry
+
+    def _close_request(self, request_id: RequestId) -> int:
+        """The rank a released request is open on (CacheError ``unknown_request``)."""
+        self.owners.drop(request_id)
+        entry = self._open.pop(request_id, None)
         if entry is None:
-            raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
-        return self._answer(request, self._forward(self._link(entry.rank), frame))
+            raise CacheError("unknown_request", f"request {request_id!r} is not open")
+        return entry.rank
 
     def _release_orphan(self, request_id: RequestId) -> None:
         entry = self._open.pop(request_id, None)
@@ -341,21 +350,13 @@ class RankFront:
         """The rank a batch's entry goes to, and the open request a store makes (CacheError
         for what is refused here, as it would be alone)."""
         if isinstance(entry, Release):
-            self.owners.drop(entry.request_id)
-            found = self._open.pop(entry.request_id, None)
-            if found is None:
-                raise CacheError("unknown_request", f"request {entry.request_id!r} is not open")
-            self._link(found.rank)
-            return found.rank, None
+            rank = self._close_request(entry.request_id)
+            self._link(rank)
+            return rank, None
         rank = self._rank(entry.rank if entry.rank is not None else batch.rank)
         if batch.rank is not None and entry.rank is not None and entry.rank != batch.rank:
             raise CacheError("bad_request", f"rank: {entry.rank}, in a batch of rank {batch.rank}")
-        if entry.request_id in self._open:
-            raise CacheError("duplicate_request", f"request {entry.request_id!r} is already open")
-        self._check_room(self._link(rank))
-        opened = self._open[entry.request_id] = _OpenRequest(rank)
-        self.owners.claim(owner, entry.request_id)
-        return rank, opened
+        return rank, self._open_store(entry.request_id, rank, owner)
 
     def _settle_store(
         self, request_id: RequestId, opened: _OpenRequest, reply: bytes | None
