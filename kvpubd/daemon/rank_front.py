@@ -157,6 +157,8 @@ class RankFront:
         # What each worker said at its last start (ping), by rank.
         self.endpoints: dict[int, RankEndpoints] = {}
         self._open: dict[RequestId, _OpenRequest] = {}
+        # Open requests per rank, kept with _open: a reset's busy check must not walk them all.
+        self._open_count: dict[int, int] = dict.fromkeys(self._ranks, 0)
         self._lanes: dict[tuple[Route, int], _Lane] = {}
         self._route: Route | None = None  # of the request being handled (None: the service)
         self._priority = True  # it may go on the priority connection
@@ -212,11 +214,18 @@ class RankFront:
         """The rank's worker died: its open requests died with it (a new worker starts with
         an empty cache, its first batch AllBlocksCleared)."""
         for request_id in [i for i, entry in self._open.items() if entry.rank == rank]:
-            del self._open[request_id]
+            self._forget(request_id)
             self.owners.drop(request_id)
 
     def open_requests(self, rank: int) -> int:
-        return sum(1 for entry in self._open.values() if entry.rank == rank)
+        return self._open_count[rank]
+
+    def _forget(self, request_id: RequestId) -> _OpenRequest | None:
+        """Take ``request_id`` out of the open requests (None if it was not open)."""
+        entry = self._open.pop(request_id, None)
+        if entry is not None:
+            self._open_count[entry.rank] -= 1
+        return entry
 
     # -- ops answered here -------------------------------------------------------------------
 
@@ -274,19 +283,20 @@ class RankFront:
             raise CacheError("duplicate_request", f"request {request_id!r} is already open")
         self._check_room(self._link(rank))
         entry = self._open[request_id] = _OpenRequest(rank)
+        self._open_count[rank] += 1
         self.owners.claim(owner, request_id)
         return entry
 
     def _close_request(self, request_id: RequestId) -> int:
         """The rank a released request is open on (CacheError ``unknown_request``)."""
         self.owners.drop(request_id)
-        entry = self._open.pop(request_id, None)
+        entry = self._forget(request_id)
         if entry is None:
             raise CacheError("unknown_request", f"request {request_id!r} is not open")
         return entry.rank
 
     def _release_orphan(self, request_id: RequestId) -> None:
-        entry = self._open.pop(request_id, None)
+        entry = self._forget(request_id)
         link = self._links(entry.rank) if entry is not None else None
         if link is not None:
             link.request(_encoder.encode(Release(request_id=request_id)))
@@ -367,7 +377,7 @@ class RankFront:
         if reply is not None and reply_error(reply) is None:
             opened.confirmed = True
         else:
-            del self._open[request_id]
+            self._forget(request_id)
             self.owners.drop(request_id)
 
     # -- reset -------------------------------------------------------------------------------
@@ -394,7 +404,7 @@ class RankFront:
         )
         for request_id, entry in list(self._open.items()):
             if entry.rank in targets and entry.confirmed:
-                del self._open[request_id]
+                self._forget(request_id)
 
         def merge(frames: list[zmq.Frame]) -> bytes:
             markers: list[Marker] = []
