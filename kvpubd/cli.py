@@ -8,6 +8,7 @@ terminated)."""
 
 from __future__ import annotations
 
+import enum
 import errno
 import json
 import os
@@ -147,6 +148,13 @@ def _unreachable_hint(endpoint: str, curve: object) -> str:
     return "is the daemon running, and is this client's public key in its authorised keys?"
 
 
+class ResetTierOption(str, enum.Enum):
+    """What ``kvpubd reset --tier`` clears (the control protocol's ``tier``)."""
+
+    all = "all"
+    gpu = "gpu"
+
+
 @contextmanager
 def _talking_to(client: ControlClient) -> Iterator[None]:
     """One line and exit 1 when the daemon refuses or does not answer."""
@@ -252,6 +260,10 @@ def reset(
         int | None, typer.Option(help="Reset only this rank.", show_default="all")
     ] = None,
     force: Annotated[bool, typer.Option(help="Reset even while requests pin blocks.")] = False,
+    tier: Annotated[
+        ResetTierOption,
+        typer.Option(help="all: the pool and the host tier; gpu: the pool alone."),
+    ] = ResetTierOption.all,
     timeout: TimeoutOption = 5.0,
     curve_key: CurveKeyOption = None,
     server_key: ServerKeyOption = None,
@@ -261,7 +273,7 @@ def reset(
         raise fail(f"--rank: {rank} is not between 0 and {MAX_RANKS - 1}", USAGE)
     client = _client(control, timeout, curve_key, server_key)
     with client, _talking_to(client):
-        markers = client.reset(rank, force=force).markers
+        markers = client.reset(rank, force=force, tier=tier.value).markers
     for marker in markers:
         if marker.seq is None:
             typer.echo(f"rank {marker.rank}: marker held back until the next tick")

@@ -43,6 +43,7 @@ REQUEST_FIELDS: dict[str, Any] = {
     "lora_name": "sql",
     "cache_salt": "tenant",
     "force": True,
+    "tier": "gpu",
     "token_ids": int_list(range(2 * BLOCK_SIZE + 3)),
     "block_ids": int_list([0, 1, 2]),
     "requests": [

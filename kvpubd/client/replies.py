@@ -34,6 +34,7 @@ from kvpubd.protocol.control import (
     ReleaseReply,
     Reset,
     ResetReply,
+    ResetTier,
     Resume,
     Snapshot,
     SnapshotReply,
@@ -162,10 +163,13 @@ def release(request_id: RequestId) -> Call[ReleaseReply]:
     return Call(Release(request_id=request_id), ReleaseReply)
 
 
-def reset(rank: int | None = None, *, force: bool = False) -> Call[ResetReply]:
+def reset(
+    rank: int | None = None, *, force: bool = False, tier: ResetTier = "all"
+) -> Call[ResetReply]:
     """Clear one rank's cache (default: all) and publish AllBlocksCleared at once; ``force``
-    drops requests that still pin blocks (otherwise the daemon answers ``busy``)."""
-    return Call(Reset(rank=rank, force=force), ResetReply)
+    drops requests that still pin blocks (otherwise the daemon answers ``busy``); ``tier``
+    "gpu" clears the pool alone and keeps the host tier's blocks."""
+    return Call(Reset(rank=rank, force=force, tier=tier), ResetReply)
 
 
 def pause() -> Call[PauseReply]:

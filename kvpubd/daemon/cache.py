@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpubd.daemon.encoded import EncodedArray
+from kvpubd.daemon.host_tier import HostTier
 from kvpubd.daemon.pool import create_pool, rank_device
 from kvpubd.daemon.radix import ROOT, RadixIndex
 from kvpubd.daemon.settings import CacheConfig
 from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
+from kvpubd.daemon.tier_copy import Fence
 from kvpubd.protocol.control import Store
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
 from kvpubd.protocol.wire import BlockStored
@@ -66,6 +68,12 @@ class StorePlan:
     matched: int = 0
     matched_unpinned: int = 0  # of the matched blocks, those no request pinned
     matching: bool = True
+    # The host tier's slots of the blocks right after the matched ones, held until they are
+    # copied back (promoted); found while ``promoting``, at ``host_generation``.
+    promoted: list[int] = field(default_factory=list)
+    promoting: bool = False
+    host_generation: int = 0
+    copied: bool = False  # the store enqueued tier copies (see RankCache.copy_fence)
     pinned: int = 0
     last: int = ROOT  # the block the next inserted run hangs under
     # A store done in slices encodes its reply's ids a slice at a time (see encoded.py).
@@ -91,6 +99,20 @@ class RankCache:
             pool_name,
         )
         self.index = RadixIndex(config.num_blocks)
+        self.host: HostTier | None = None
+        if config.host_blocks:
+            try:
+                self.host = HostTier(
+                    config.host_blocks,
+                    config.block_size,
+                    config.block_bytes,
+                    sink.host_medium,
+                    self.pool,
+                    None if pool_name is None else f"{pool_name}-host",
+                )
+            except BaseException:
+                self.pool.close()
+                raise
         # Token ids of each cached block, indexed by block id (kept for snapshots).
         self.tokens = np.zeros((config.num_blocks, config.block_size), dtype=TOKEN_DTYPE)
         self.leases: dict[RequestId, Lease] = {}
@@ -99,6 +121,12 @@ class RankCache:
         self.wire_hash = wire_hasher(hash_format)
         self.hash_algorithm = config.hash_algorithm
         self.generation = 0  # bumped by every clear
+        self._copied = False  # tier copies enqueued since the last copy_fence
+
+    @property
+    def copies_async(self) -> bool:
+        """Tier copies run behind the loop's back (on a GPU stream): see copy_fence."""
+        return self.host is not None and not self.host.copier.synchronous
 
     @property
     def pinned_blocks(self) -> int:
@@ -112,7 +140,8 @@ class RankCache:
         digests = chain_digests(tokens, self.block_size, root, algorithm)
         plan = self.begin_store(request, tokens, digests)
         everything = len(digests)
-        self.match_some(plan, everything)
+        while not self.match_some(plan, everything):
+            pass  # the pool's prefix, then the host tier's
         self.check_room(plan)
         self.pin_some(plan, everything)
         self.insert_some(plan, everything)
@@ -136,7 +165,8 @@ class RankCache:
         )
 
     def match_some(self, plan: StorePlan, limit: int) -> bool:
-        """Match up to ``limit`` more blocks of the cached prefix; True once it is complete."""
+        """Match up to ``limit`` more blocks of the cached prefix, then of its continuation on
+        the host tier; True once both are complete."""
         if plan.matching:
             wanted = plan.digests[plan.matched : plan.matched + limit]
             found = self.index.match(wanted)
@@ -146,13 +176,32 @@ class RankCache:
                 plan.last = found[-1]
             plan.matched_unpinned += self.index.count_unpinned(found)
             plan.matching = len(found) == len(wanted) and plan.matched < len(plan.digests)
-        return not plan.matching
+            if not plan.matching and self.host is not None:
+                plan.promoting = plan.matched < len(plan.digests)
+                plan.host_generation = self.host.generation
+        elif plan.promoting and self.host is not None:
+            start = plan.matched + len(plan.promoted)
+            wanted = plan.digests[start : start + limit]
+            found = self.host.match(wanted)
+            self.host.hold(found)
+            plan.promoted += found
+            plan.promoting = len(found) == len(wanted) and start + len(found) < len(plan.digests)
+        return not plan.matching and not plan.promoting
+
+    def abandon(self, plan: StorePlan) -> None:
+        """Let go of what a plan that will not finish holds on the host tier (refused, or
+        made stale by a reset)."""
+        if self.host is not None:
+            copied = max(0, len(plan.blocks) - plan.matched)
+            self.host.let_go(plan.promoted[copied:], plan.host_generation)
+            plan.promoted = plan.promoted[:copied]
 
     def check_room(self, plan: StorePlan) -> None:
         """Refuse (changing nothing) a matched plan whose new blocks cannot be had."""
         needed = len(plan.digests) - plan.matched + plan.has_tail
         available = self.pool.free_count + self.index.unpinned - plan.matched_unpinned
         if needed > available:
+            self.abandon(plan)
             raise CacheError(
                 "pool_exhausted",
                 f"request needs {needed} blocks but only {available} can be freed: "
@@ -180,6 +229,9 @@ class RankCache:
             if shortfall > 0:
                 self._evict(shortfall)
             ids = self.pool.allocate(len(digests))
+            promoted = plan.matched + len(plan.promoted) - start
+            if promoted > 0 and self.host is not None:
+                self._promote(plan, start, ids[:promoted])
             parent = plan.last
             index.insert_run(digests, ids, parent, plan.keys)
             tokens = plan.tokens[start * size : (start + len(ids)) * size]
@@ -207,7 +259,8 @@ class RankCache:
         tail = self.pool.allocate(1) if plan.has_tail else []
         self.leases[plan.request_id] = Lease(plan.blocks, tail[0] if tail else None)
         self.tail_blocks += len(tail)
-        cached = plan.matched * self.block_size
+        # Promoted blocks are cached too: the engine need not compute them again.
+        cached = (plan.matched + len(plan.promoted)) * self.block_size
         if plan.reply_ids is None:
             return plan.blocks + tail, cached
         plan.reply_ids.extend(tail)
@@ -216,9 +269,111 @@ class RankCache:
     def _evict(self, count: int) -> None:
         evicted = self.index.evict(count)
         digest = self.index.digest
-        hashes = self.wire_hash(list(map(digest.__getitem__, evicted)))
+        digests = list(map(digest.__getitem__, evicted))
+        hashes = self.wire_hash(digests)
+        if self.host is not None:
+            # Copied out before any of the blocks is handed out again; their host stores go
+            # out before their removal from the pool, so no reader sees them nowhere.
+            self._demote(evicted, digests)
         self.sink.removed(evicted, hashes)
         self.pool.free(evicted)
+
+    def _promote(self, plan: StorePlan, start: int, block_ids: list[int]) -> None:
+        """Copy the host tier's blocks of the plan's new blocks ``start``.. into ``block_ids``
+        (just allocated), and let go of their slots."""
+        host = self.host
+        assert host is not None
+        first = start - plan.matched
+        slots = plan.promoted[first : first + len(block_ids)]
+        host.copier.promote(np.asarray(slots, dtype=np.int64), np.asarray(block_ids, np.int64))
+        host.let_go(slots, plan.host_generation)
+        plan.copied = True
+
+    def _demote(self, evicted: list[int], digests: list[bytes]) -> None:
+        """Copy the blocks the pool evicts (``evicted``, leaves first) to the host tier, those
+        not there already (which are only used), evicting its least recently used."""
+        host = self.host
+        assert host is not None
+        slot_of, touch = host.slot_of, host.touch
+        moved: list[int] = []
+        moved_digests: list[bytes] = []
+        for block_id, digest in zip(reversed(evicted), reversed(digests), strict=True):
+            slot = slot_of.get(digest)  # parents first: the order readers link a chain in
+            if slot is None:
+                moved.append(block_id)
+                moved_digests.append(digest)
+            else:
+                touch(slot)
+        if not moved:
+            return
+        slots, gone = host.take(len(moved))
+        if gone:
+            self.sink.host_removed(gone, self.wire_hash([host.digest[s] for s in gone]))
+        # With every slot held by stores under way, the deepest blocks are not kept.
+        del moved[len(slots) :], moved_digests[len(slots) :]
+        if not moved:
+            return
+        index = self.index
+        parent_of, digest_of, keys_of = index.parent, index.digest, index.keys
+        parents = [digest_of[p] if (p := parent_of[b]) != ROOT else None for b in moved]
+        host.fill(slots, moved_digests, parents, [keys_of[b] for b in moved], self.tokens[moved])
+        host.copier.demote(np.asarray(moved, dtype=np.int64), np.asarray(slots, np.int64))
+        self._copied = True
+        self._publish_host_stores(slots)
+
+    def _publish_host_stores(self, slots: list[int], announced: bool = False) -> None:
+        """Capture the host tier's blocks in ``slots`` as stores: one per run of blocks each
+        the chain child of the one before (as they were stored), with the chain parent's hash
+        whichever tier holds it (Dynamo links a host block to the block before it)."""
+        host = self.host
+        assert host is not None
+        digest, parent, keys = host.digest, host.parent_digest, host.keys
+        wire_hash = self.wire_hash
+        hashes = wire_hash([digest[s] for s in slots])
+        starts = [
+            i
+            for i, slot in enumerate(slots)
+            if i == 0
+            or parent[slot] != digest[slots[i - 1]]
+            or keys[slot] is not keys[slots[i - 1]]
+        ]
+        run_parents = [parent[slots[i]] for i in starts]
+        parent_hashes = wire_hash([p for p in run_parents if p is not None])[::-1]
+        for run, first in enumerate(starts):
+            end = starts[run + 1] if run + 1 < len(starts) else len(slots)
+            run_slots = slots[first:end]
+            self.sink.host_stored(
+                slots=run_slots,
+                hashes=hashes[first:end],
+                parent_hash=parent_hashes.pop() if run_parents[run] is not None else None,
+                token_ids=host.tokens[run_slots].reshape(-1),
+                keys=keys[run_slots[0]],
+                announced=announced,
+            )
+
+    def publish_backlog(self, limit: int) -> bool:
+        """Capture up to ``limit`` blocks' worth of what the last resets left the host tier to
+        publish (see host_tier); True while more is left."""
+        host = self.host
+        if host is None:
+            return False
+        removed = host.next_removals(limit)
+        if removed:
+            self.sink.host_removed(None, self.wire_hash(removed))
+        if limit > len(removed):
+            announced = host.next_announcements(limit - len(removed))
+            if announced:
+                self._publish_host_stores(announced, announced=True)
+        return host.backlog
+
+    def copy_fence(self) -> Fence | None:
+        """The fence of the tier copies enqueued since the last call, where they run
+        asynchronously (on a GPU): a store's reply waits for it, since the engine reads
+        promoted blocks and writes into blocks a demotion copies out."""
+        if not self._copied or self.host is None:
+            return None
+        self._copied = False
+        return None if self.host.copier.synchronous else self.host.copier.fence()
 
     def end_lease(self, request_id: RequestId) -> Lease:
         """Close an open request and free its tail block; its full blocks stay pinned until
@@ -234,15 +389,49 @@ class RankCache:
     def unpin(self, block_ids: list[int]) -> None:
         self.index.unpin(block_ids)
 
-    def clear(self) -> tuple[object, ...]:
-        """Drop every block and open request in O(1). Returns the old containers: freeing
-        them costs O(blocks), so the caller hands them to the reaper."""
+    def clear(self, every_tier: bool = True) -> tuple[object, ...]:
+        """Drop every block of the pool (and of the host tier: ``every_tier``) and every open
+        request in O(1); a host tier left standing is announced again (``publish_backlog``).
+        Returns the old containers: freeing them costs O(blocks), so the caller hands them
+        to the reaper."""
         self.generation += 1  # store plans in progress are stale now
         old_leases, self.leases = self.leases, {}
         self.tail_blocks = 0
         old_index = self.index.clear()
         self.pool.free_all()
-        return (old_leases, *old_index)
+        old_host: tuple[object, ...] = ()
+        if self.host is not None:
+            if every_tier:
+                old_host = self.host.clear()
+            else:
+                self.host.announce_all()
+        return (old_leases, *old_index, *old_host)
+
+    def host_block_events(self, slots: list[int]) -> list[BlockStored]:
+        """Host tier blocks as one-block stores, as a snapshot reports them (token ids are
+        views of the tier's rows, valid until the slot is reused)."""
+        host = self.host
+        assert host is not None
+        digest, parent, keys, tokens = host.digest, host.parent_digest, host.keys, host.tokens
+        hashes = self.wire_hash([digest[s] for s in slots])
+        parents = [parent[s] for s in slots]
+        parent_hashes = self.wire_hash([p for p in parents if p is not None])[::-1]
+        return [
+            stored_event(
+                hashes=[block_hash],
+                parent_hash=parent_hashes.pop() if parent_digest is not None else None,
+                token_ids=tokens[slot],
+                block_size=self.block_size,
+                medium=host.medium,
+                keys=keys[slot],
+            )
+            for slot, block_hash, parent_digest in zip(slots, hashes, parents, strict=True)
+        ]
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        self.pool.close()
 
     def block_events(self, block_ids: list[int]) -> list[BlockStored]:
         """Cached blocks as one-block stores, as a snapshot reports them; their token ids are

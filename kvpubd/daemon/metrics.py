@@ -274,6 +274,9 @@ class _StateCollector(Collector):
             ("blocks_published", "Blocks whose BlockStored was published and not removed."),
             ("requests_open", "Store requests not yet released."),
             ("events_pending", "Events captured, not yet published."),
+            ("host_blocks_capacity", "Slots of the host tier (0: off)."),
+            ("host_blocks_cached", "Blocks on the host tier."),
+            ("host_blocks_held", "Host tier blocks a store under way will copy back."),
         ):
             yield _per_rank(GaugeMetricFamily, key, help_text, ranks)
 

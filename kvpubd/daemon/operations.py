@@ -307,7 +307,7 @@ class Operations:
                     f"{', '.join(str(p.rank) for p in busy)}; release them or pass force",
                 )
         started = time.perf_counter()
-        markers = [Marker(p.rank, p.reset()) for p in targets]
+        markers = [Marker(p.rank, p.reset(request.tier)) for p in targets]
         elapsed = time.perf_counter() - started
         self._metrics.reset_done(elapsed)
         log.info(

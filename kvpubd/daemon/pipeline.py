@@ -7,8 +7,10 @@ Every operation validates first and mutates after, so a refused request changes 
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -28,7 +30,15 @@ from kvpubd.daemon.sink import EventSink
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
-from kvpubd.protocol.control import PoolInfo, RankStats, ReleaseReply, Store, StoreReply
+from kvpubd.protocol.control import (
+    HostTierInfo,
+    PoolInfo,
+    RankStats,
+    ReleaseReply,
+    ResetTier,
+    Store,
+    StoreReply,
+)
 from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import MAX_SEQ, MAX_SIGNED_SEQ, BlockStored
@@ -38,6 +48,9 @@ from kvpubd.protocol.wire import MAX_SEQ, MAX_SIGNED_SEQ, BlockStored
 # first (under heavy load the ticks fall far apart). A batch's fixed costs spread over this
 # many blocks are a few hundredths of a microsecond each.
 FLUSH_BLOCKS = 1024
+# Host tier blocks whose removal or store a reset left to publish, captured per loop turn
+# (about 1 us each: a reset behind them waits about half a millisecond).
+BACKLOG_BLOCKS = 512
 
 
 # The snapshot protocol's heartbeat: an idle rank publishes at least once a second.
@@ -111,6 +124,7 @@ class RankPipeline:
             block_size=settings.cache.block_size,
             medium=settings.medium,
             max_events_per_tick=events.max_events_per_tick,
+            host_medium=settings.cache.host_medium if settings.cache.host_blocks else None,
         )
         try:
             self.cache = RankCache(
@@ -137,6 +151,7 @@ class RankPipeline:
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
         self._scrub: asyncio.Task[None] | None = None
+        self._backlog: asyncio.Task[None] | None = None
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -182,6 +197,7 @@ class RankPipeline:
             )
         if (
             queued
+            or self.cache.copies_async  # its reply waits for its copies, in order
             or self._stores.busy
             or isinstance(tokens, IntArray)
             or len(tokens) // self.cache.block_size > SYNC_BLOCKS
@@ -218,17 +234,33 @@ class RankPipeline:
     def _release_reply(self, released: int) -> ReleaseReply:
         return ReleaseReply(self.rank, released)
 
-    def reset(self) -> int | None:
-        """Clear the cache and publish the marker at once, after everything captured before
-        it; returns the marker's seq (None with ``flush_on_reset`` off). What costs O(blocks)
-        — zeroing freed blocks, freeing the old index — waits until the reply is out."""
-        retired = self.cache.clear()
-        published = self.sink.cleared()
+    def reset(self, tier: ResetTier = "all") -> int | None:
+        """Clear the cache (every tier, or the pool alone: ``tier`` "gpu") and publish the
+        marker at once, after everything captured before it; returns the marker's seq (None
+        with ``flush_on_reset`` off). What costs O(blocks) — zeroing freed blocks, freeing the
+        old index, publishing what the host tier's readers need after the marker — waits
+        until the reply is out."""
+        every_tier = tier == "all"
+        retired = self.cache.clear(every_tier)
+        published = self.sink.cleared(every_tier)
         self.resets += 1
         seq = self.flush() if self._flush_on_reset else None
         self._scrub_freed()
-        self._reaper.retire(retired, published)
+        self._reaper.retire(retired, *published)
+        if self.cache.host is not None and (self._backlog is None or self._backlog.done()):
+            self._backlog = asyncio.create_task(self._publish_backlog(), name="kvpubd backlog")
         return seq
+
+    async def _publish_backlog(self) -> None:
+        """What resets left the host tier to publish, BACKLOG_BLOCKS per loop turn from the
+        next one on (the reply goes out first), each slice after what was captured before
+        it; out at once in batches of FLUSH_BLOCKS, or with the next tick."""
+        while True:
+            await asyncio.sleep(0)
+            more = self.cache.publish_backlog(BACKLOG_BLOCKS)
+            self._flush_if_full()
+            if not more:
+                return
 
     def _scrub_freed(self) -> None:
         """Zero the blocks the reset freed, a slice per loop turn from the next one on (the
@@ -277,34 +309,44 @@ class RankPipeline:
 
     # What a snapshot job reads.
 
-    def freeze_published(self) -> tuple[int, FrozenView] | None:
-        # Publish what is captured first, so the view is exactly the state at its seq.
+    def freeze_published(self) -> tuple[int, list[FrozenView]] | None:
+        # Publish what is captured first, so the views are exactly the state at its seq.
         self.flush()
-        record = self.sink.published
-        view = record.freeze(self._removed_block_event)
-        if view is None:
-            record.compact_some()
-            return None
-        return self.publisher.last_seq, view
+        views: list[FrozenView] = []
+        for tier, record in enumerate(self.current_records()):
+            view = record.freeze(functools.partial(self._removed_block_event, tier))
+            if view is None:
+                for made in views:
+                    made.close()
+                record.compact_some()
+                return None
+            views.append(view)
+        return self.publisher.last_seq, views
 
-    def current_record(self) -> PublishedRecord:
-        return self.sink.published
+    def current_records(self) -> list[PublishedRecord]:
+        """The published records, one per tier: the pool's, then the host tier's."""
+        sink = self.sink
+        return (
+            [sink.published] if self.cache.host is None else [sink.published, sink.host_published]
+        )
 
-    def block_events(self, block_ids: list[int]) -> list[BlockStored]:
-        return self.cache.block_events(block_ids)
+    def block_events(self, tier: int, block_ids: list[int]) -> list[BlockStored]:
+        if tier == 0:
+            return self.cache.block_events(block_ids)
+        return self.cache.host_block_events(block_ids)
 
-    def _removed_block_event(self, block_id: int) -> BlockStored:
+    def _removed_block_event(self, tier: int, block_id: int) -> BlockStored:
         """The block's store, kept past its removal: its tokens copied out of the slot."""
-        event = self.cache.block_events([block_id])[0]
+        event = self.block_events(tier, [block_id])[0]
         event.token_ids = np.array(event.token_ids)  # type: ignore[assignment]
         return event
 
     def compact(self) -> None:
-        """One slice of housekeeping (the drain loop calls it): on the published record, and
+        """One slice of housekeeping (the drain loop calls it): on the published records, and
         letting go of a finished snapshot that no request can use any more."""
-        record = self.sink.published
-        if record.needs_compaction:
-            record.compact_some()
+        for record in self.current_records():
+            if record.needs_compaction:
+                record.compact_some()
         job = self._snapshot
         if (
             job is not None
@@ -330,7 +372,14 @@ class RankPipeline:
         return ids
 
     def pool_info(self) -> PoolInfo:
-        return self.cache.pool.info(self.rank)
+        info = self.cache.pool.info(self.rank)
+        host = self.cache.host
+        if host is None:
+            return info
+        shm = host.pool.info(self.rank)
+        assert shm.name is not None
+        tier = HostTierInfo(name=shm.name, shape=shm.shape, dtype=shm.dtype, medium=host.medium)
+        return msgspec.structs.replace(info, host=tier)
 
     def stats(self) -> RankStats:
         pool = self.cache.pool
@@ -360,15 +409,27 @@ class RankPipeline:
             snapshot_requests=transport.snapshot_requests,
             snapshots_unavailable=transport.snapshots_unavailable,
             events_by_type=self._metrics.event_counts(self.rank),
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, int]:
+        host = self.cache.host
+        if host is None:
+            return {}
+        return {
+            "host_blocks_capacity": host.capacity,
+            "host_blocks_cached": len(host),
+            "host_blocks_held": host.held,
+        }
 
     def close(self) -> None:
         self._stores.close()
-        if self._scrub is not None:
-            self._scrub.cancel()
+        for task in (self._scrub, self._backlog):
+            if task is not None:
+                task.cancel()
         if self._snapshot is not None:
             self._snapshot.cancel()
         self.publisher.close()
         if self._seq_state is not None:
             self._seq_state.close()
-        self.cache.pool.close()
+        self.cache.close()

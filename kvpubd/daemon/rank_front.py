@@ -398,7 +398,7 @@ class RankFront:
         started = time.perf_counter()
         replies = _gather(
             [
-                self._send(link, _encoder.encode(Reset(rank=rank, force=True)))
+                self._send(link, _encoder.encode(Reset(rank=rank, force=True, tier=request.tier)))
                 for rank, link in zip(targets, links, strict=True)
             ]
         )

@@ -155,6 +155,12 @@ class CacheConfig(_Section):
     # The block hash chain's hash: sha256, or xxhash (xxh3_128: about 4x cheaper per block
     # and 16-byte digests), vLLM's two prefix-caching hash families.
     hash_algorithm: HashAlgorithm = "sha256"
+    # The host tier: this many blocks per rank in host memory (POSIX shared memory, page-locked
+    # when the pool is on a GPU) that blocks evicted from the pool are copied to, and that a
+    # store whose prefix is there copies back from. 0: off.
+    host_blocks: int = Field(0, ge=0, le=1 << 31)
+    # The medium the host tier's events name (vLLM's offloading connector says "CPU").
+    host_medium: str = Field("CPU", min_length=1)
 
     @model_validator(mode="after")
     def _check_ranks(self) -> CacheConfig:
@@ -332,9 +338,20 @@ class Settings(BaseSettings):
 
     @property
     def medium(self) -> str:
+        """The medium the pool's events name: events.medium, else the pool's own ("GPU" for a
+        GPU pool, and for any pool below a host tier, which it stands in for a GPU's)."""
         if self.events.medium is not None:
             return self.events.medium
-        return "CPU" if self.cache.on_host else "GPU"
+        return "CPU" if self.cache.on_host and not self.cache.host_blocks else "GPU"
+
+    @model_validator(mode="after")
+    def _check_media(self) -> Settings:
+        if self.cache.host_blocks and self.medium == self.cache.host_medium:
+            raise ValueError(
+                f"cache.host_medium: {self.cache.host_medium!r} is also the pool's medium "
+                "(events.medium); the two tiers need two names"
+            )
+        return self
 
 
 def load_settings(

@@ -85,9 +85,17 @@ def stored_event(
 
 
 class EventSink:
-    def __init__(self, *, block_size: int, medium: str, max_events_per_tick: int) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        medium: str,
+        max_events_per_tick: int,
+        host_medium: str | None = None,
+    ) -> None:
         self.block_size = block_size
         self.medium = medium
+        self.host_medium = host_medium or ""
         self.max_events_per_tick = max_events_per_tick
         self._pending: list[Event] = []
         # Blocks the pending events name (stored and removed): what the next batch encodes.
@@ -95,6 +103,9 @@ class EventSink:
         self._budget = max_events_per_tick
         # Published and not yet removed, in publication order (parents before children).
         self.published = PublishedRecord()
+        # The host tier's published blocks, by slot. Its events are never dropped by the
+        # per-tick cap (each follows a pool eviction or a reset, which the cap bounds).
+        self.host_published = PublishedRecord()
         self.dropped_stored_blocks = 0
 
     @property
@@ -144,14 +155,54 @@ class EventSink:
             self.pending_blocks += len(named)
             self._pending.append(BlockRemoved(block_hashes=named, medium=self.medium))
 
-    def cleared(self) -> PublishedRecord:
+    def host_stored(
+        self,
+        *,
+        slots: list[int],
+        hashes: list[BlockHash],
+        parent_hash: BlockHash | None,
+        token_ids: np.ndarray,
+        keys: StoreKeys,
+        announced: bool = False,
+    ) -> None:
+        """Capture a run of blocks stored on the host tier (``announced``: stored there
+        already, published again after a reset of the pool alone)."""
+        if not announced:
+            self.host_published.add(slots)
+        self.pending_blocks += len(slots)
+        self._pending.append(
+            stored_event(
+                hashes=hashes,
+                parent_hash=parent_hash,
+                token_ids=token_ids,  # type: ignore[arg-type]
+                block_size=self.block_size,
+                medium=self.host_medium,
+                keys=keys,
+            )
+        )
+
+    def host_removed(self, slots: list[int] | None, hashes: list[BlockHash]) -> None:
+        """Capture removals from the host tier: of ``slots`` (evicted), or of blocks a reset
+        cleared (``slots`` None: no longer in the record)."""
+        if slots is not None:
+            hashes = self.host_published.discard_named(slots, hashes)
+        if hashes:
+            self.pending_blocks += len(hashes)
+            self._pending.append(BlockRemoved(block_hashes=hashes, medium=self.host_medium))
+
+    def cleared(self, every_tier: bool = True) -> tuple[PublishedRecord, ...]:
         """Append the reset marker after everything captured; it never counts against the cap.
-        Forget what was published, so a repopulated prefix is reported again. Returns the old
-        record, whose deallocation (O(blocks)) the caller may defer past the reset reply."""
+        Forget what was published (on the host tier too, for ``every_tier``), so a
+        repopulated prefix is reported again. Returns the old records, whose deallocation
+        (O(blocks)) the caller may defer past the reset reply."""
         self._pending.append(AllBlocksCleared())
-        old, self.published = self.published, PublishedRecord()
+        old = [self.published]
+        self.published = PublishedRecord()
+        if every_tier:
+            old.append(self.host_published)
+            self.host_published = PublishedRecord()
         self._budget = self.max_events_per_tick
-        return old
+        return tuple(old)
 
     def drain(self, new_tick: bool = False) -> list[Event]:
         """Take the captured events as one batch; the periodic drain passes ``new_tick`` to

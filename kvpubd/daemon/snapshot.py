@@ -47,15 +47,16 @@ FREE_STEP_BYTES = 1 << 20  # chunk bytes a snapshot lets go of per loop turn (se
 
 
 class SnapshotSource(Protocol):
-    """What a job reads: the rank's pipeline."""
+    """What a job reads: the rank's pipeline. Its published records, one per tier (the pool,
+    then the host tier if any), are frozen and read together."""
 
     rank: int
 
-    def freeze_published(self) -> tuple[int, FrozenView] | None: ...
+    def freeze_published(self) -> tuple[int, list[FrozenView]] | None: ...
 
-    def current_record(self) -> PublishedRecord: ...
+    def current_records(self) -> list[PublishedRecord]: ...
 
-    def block_events(self, block_ids: list[int]) -> list[BlockStored]: ...
+    def block_events(self, tier: int, block_ids: list[int]) -> list[BlockStored]: ...
 
 
 ASSEMBLY_STEP = 1 << 20  # bytes copied per loop turn when a large message is put together
@@ -167,18 +168,20 @@ class SnapshotJob:
             if frozen is None:  # the record is being compacted: a few turns
                 await asyncio.sleep(0)
                 continue
-            self.seq, view = frozen
+            self.seq, views = frozen
             try:
-                body = await self._encode(view)
+                body = await self._encode(views)
             finally:
-                view.close()
+                for view in views:
+                    view.close()
             if body is not None:
                 chunks, bodies = body
                 nbytes = sum(len(chunk) for chunk in chunks)
-                return Snapshot(self.seq, view.count, chunks, bodies, nbytes)
+                count = sum(view.count for view in views)
+                return Snapshot(self.seq, count, chunks, bodies, nbytes)
             # A reset replaced the record mid-way: build again, on the new state.
 
-    async def _encode(self, view: FrozenView) -> tuple[list[bytes], list[memoryview]] | None:
+    async def _encode(self, views: list[FrozenView]) -> tuple[list[bytes], list[memoryview]] | None:
         source = self._source
         # A slice's events are encoded at its end, in one msgspec call with their NumPy token
         # rows (views into the cache: encoded before the loop turns, so no slot is reused
@@ -208,26 +211,29 @@ class SnapshotJob:
             count += len(events)
             pending_bytes += len(encoded)
 
-        while not view.finished:
-            if source.current_record() is not view.record:
-                return None
-            deadline = time.perf_counter() + SLICE_S
-            events: list[BlockStored] = []
-            while not view.finished and time.perf_counter() < deadline:
-                live: list[int] = []
-                for block_id, saved in view.take(SLICE_ENTRIES):
-                    if saved is None:
-                        live.append(block_id)
-                    else:
-                        # Removed since the view was taken; events stay in log order.
-                        events += source.block_events(live)
-                        live = []
-                        events.append(saved)
-                events += source.block_events(live)
-            encode(events)
-            if pending_bytes >= CHUNK_BYTES:
-                close_chunk()
-            await asyncio.sleep(0)
+        records = [view.record for view in views]
+        for tier, view in enumerate(views):
+            while not view.finished:
+                current = source.current_records()
+                if any(now is not then for now, then in zip(current, records, strict=True)):
+                    return None
+                deadline = time.perf_counter() + SLICE_S
+                events: list[BlockStored] = []
+                while not view.finished and time.perf_counter() < deadline:
+                    live: list[int] = []
+                    for block_id, saved in view.take(SLICE_ENTRIES):
+                        if saved is None:
+                            live.append(block_id)
+                        else:
+                            # Removed since the view was taken; events stay in log order.
+                            events += source.block_events(tier, live)
+                            live = []
+                            events.append(saved)
+                    events += source.block_events(tier, live)
+                encode(events)
+                if pending_bytes >= CHUNK_BYTES:
+                    close_chunk()
+                await asyncio.sleep(0)
         if count:
             close_chunk()
         return chunks, bodies

@@ -237,21 +237,34 @@ class StoreQueue:
         """The store on the cache of ``generation``; _Overtaken once a reset cleared it."""
         cache = self._cache
         plan = cache.begin_store(item.request, _decoded(item), digests, in_slices=True)
-        while True:
-            await self._spend(min(SLICE_BLOCKS, len(digests) - plan.matched), generation)
-            if cache.match_some(plan, SLICE_BLOCKS):
-                break
-        cache.check_room(plan)
-        while plan.pinned < plan.matched:
-            count = min(SLICE_BLOCKS, plan.matched - plan.pinned)
-            await self._spend(count, generation)
-            cache.pin_some(plan, count)
-        while len(plan.blocks) < len(digests):
-            count = min(SLICE_BLOCKS, len(digests) - len(plan.blocks))
-            await self._spend(count, generation)
-            cache.insert_some(plan, count)
-            self._on_captured()
-        return cache.finish_store(plan)
+        try:
+            while True:
+                await self._spend(min(SLICE_BLOCKS, len(digests) - plan.matched), generation)
+                if cache.match_some(plan, SLICE_BLOCKS):
+                    break
+            cache.check_room(plan)
+            while plan.pinned < plan.matched:
+                count = min(SLICE_BLOCKS, plan.matched - plan.pinned)
+                await self._spend(count, generation)
+                cache.pin_some(plan, count)
+            while len(plan.blocks) < len(digests):
+                count = min(SLICE_BLOCKS, len(digests) - len(plan.blocks))
+                await self._spend(count, generation)
+                cache.insert_some(plan, count)
+                self._on_captured()
+        except _Overtaken:
+            cache.abandon(plan)
+            raise
+        result = cache.finish_store(plan)
+        fence = cache.copy_fence()
+        # Its tier copies run on the GPU's stream: the engine may read and write the store's
+        # blocks once answered, so it waits (polling, never blocking the loop: a reset
+        # meanwhile is answered at once) and so do the rank's later requests behind it.
+        while fence is not None and not fence.done:
+            await asyncio.sleep(0)
+        if generation != cache.generation:
+            raise _Overtaken  # its lease went with the reset: store again, on the new state
+        return result
 
     async def _release(self, item: _Release) -> int:
         await self._spend(REQUEST_UNITS)

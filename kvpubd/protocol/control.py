@@ -17,7 +17,7 @@ Parsing request frames (locating long integer arrays without decoding them) is
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgpack
 import msgspec
@@ -76,9 +76,15 @@ class Release(ControlRequest, tag="release", frozen=True, kw_only=True):
     request_id: RequestId
 
 
+# What a reset clears: "all" (the pool and the host tier) or "gpu" (the pool alone; the host
+# tier keeps its blocks and announces them again after the marker).
+ResetTier = Literal["all", "gpu"]
+
+
 class Reset(ControlRequest, tag="reset", frozen=True, kw_only=True):
     rank: Rank | None = None  # None: every rank
     force: bool = False
+    tier: ResetTier = "all"
 
 
 class Pause(ControlRequest, tag="pause", frozen=True, kw_only=True):
@@ -206,6 +212,11 @@ class RankStats(msgspec.Struct, frozen=True):
     # Events published by type (BlockStored, BlockRemoved, AllBlocksCleared); only counted
     # where the daemon serves metrics, empty otherwise.
     events_by_type: dict[str, int] = msgspec.field(default_factory=dict)
+    # The host tier (cache.host_blocks): its slots, the blocks it holds, and those of them a
+    # store under way holds for promotion. All 0 while it is off.
+    host_blocks_capacity: int = 0
+    host_blocks_cached: int = 0
+    host_blocks_held: int = 0
 
 
 class StatsReply(ControlReply, frozen=True):
@@ -259,6 +270,16 @@ class SnapshotReply(ControlReply, frozen=True):
     events: list[Event]  # last: the daemon streams it
 
 
+class HostTierInfo(msgspec.Struct, frozen=True):
+    """How another process maps a rank's host tier: POSIX shared memory ``name`` holding
+    ``shape`` = (host_blocks, block_bytes) bytes, whose blocks' events name ``medium``."""
+
+    name: str
+    shape: tuple[int, int]
+    dtype: str
+    medium: str
+
+
 class PoolInfo(ControlReply, frozen=True, omit_defaults=True):
     """How another process maps a rank's pool: ``kind`` ``"shm"`` (POSIX shared memory
     ``name``) or ``"cuda_ipc"`` (CUDA IPC ``handle`` on GPU ``device``, at ``offset``)."""
@@ -272,6 +293,8 @@ class PoolInfo(ControlReply, frozen=True, omit_defaults=True):
     handle: bytes | None = None
     device: int | None = None
     offset: int = 0
+    # The host tier (cache.host_blocks), where it is on.
+    host: HostTierInfo | None = None
 
 
 class ChecksumReply(ControlReply, frozen=True):
