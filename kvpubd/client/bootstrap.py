@@ -73,11 +73,15 @@ class _Failed(Exception):
 class RankBootstrap:
     """One rank's state: its installed mirror and where its bootstrap stands."""
 
-    def __init__(self, rank: int, keep_mirror: bool) -> None:
+    def new_mirror(self) -> Mirror | None:
+        return Mirror(host_medium=self.host_medium) if self.keep_mirror else None
+
+    def __init__(self, rank: int, keep_mirror: bool, host_medium: str | None = None) -> None:
         self.rank = rank
         self.keep_mirror = keep_mirror
+        self.host_medium = host_medium
         self.counters = Counters()
-        self.mirror: Mirror | None = Mirror() if keep_mirror else None
+        self.mirror: Mirror | None = self.new_mirror()
         self.last: int | None = None  # last seq applied to the installed mirror
         self.publisher_id: bytes | None = None  # the installed mirror's publisher
         self.phase = Phase.WAITING
@@ -128,6 +132,7 @@ class SnapshotTracker:
         retry_backoff: float = RETRY_BACKOFF,
         buffer_bytes: int = BUFFER_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        host_medium: str | None = None,
     ) -> None:
         check_ranks(ranks)
         if not silence_timeout > 0:
@@ -137,7 +142,7 @@ class SnapshotTracker:
         self.retry_backoff = retry_backoff
         self.buffer_bytes = buffer_bytes
         self.clock = clock
-        self.streams = {rank: RankBootstrap(rank, keep_mirror) for rank in ranks}
+        self.streams = {rank: RankBootstrap(rank, keep_mirror, host_medium) for rank in ranks}
         self.epoch: int | None = None  # a control-protocol notion: never known here
 
     # -- what to do next -----------------------------------------------------------------
@@ -284,7 +289,7 @@ class SnapshotTracker:
         buffer = stream.buffer
         if reply.publisher_id != buffer[-1].publisher_id:
             raise _Failed("the publisher restarted during the bootstrap", restart=True)
-        mirror = Mirror() if stream.keep_mirror else None
+        mirror = stream.new_mirror()
         for chunk in reply.chunks:
             self._apply_chunk(stream, mirror, chunk)
         suffix = [m for m in buffer if m.seq > reply.seq]

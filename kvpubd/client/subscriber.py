@@ -207,6 +207,7 @@ class _Base(Generic[ContextT, ControlT]):
         snapshot_endpoint: str | None = None,
         snapshot_timeout: float = 10.0,
         silence_timeout: float = 5.0,
+        host_medium: str | None = None,
     ) -> None:
         if snapshot_endpoint:
             check_endpoint(snapshot_endpoint)
@@ -238,7 +239,11 @@ class _Base(Generic[ContextT, ControlT]):
         self.tracker: StreamTracker | SnapshotTracker
         if snapshot_endpoint:
             self.tracker = SnapshotTracker(
-                rank_list, keep_mirror=mirror, callbacks=callbacks, silence_timeout=silence_timeout
+                rank_list,
+                keep_mirror=mirror,
+                callbacks=callbacks,
+                silence_timeout=silence_timeout,
+                host_medium=host_medium,
             )
         else:
             self.tracker = StreamTracker(
@@ -247,6 +252,7 @@ class _Base(Generic[ContextT, ControlT]):
                 control=control is not None,
                 keep_mirror=mirror,
                 callbacks=callbacks,
+                host_medium=host_medium,
             )
         self._heard = dict.fromkeys(rank_list, time.monotonic())
         # Applied and not yet returned: survives a call that raised (timeout) midway.

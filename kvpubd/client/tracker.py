@@ -152,9 +152,10 @@ class Callbacks:
 class RankStream:
     """One rank's view: mirror, seqs, and what it still needs."""
 
-    def __init__(self, rank: int, keep_mirror: bool) -> None:
+    def __init__(self, rank: int, keep_mirror: bool, host_medium: str | None = None) -> None:
         self.rank = rank
         self.keep_mirror = keep_mirror
+        self.host_medium = host_medium
         self.counters = Counters()
         self.epoch: int | None = None  # the daemon run this state belongs to, when known
         self.rebuilding = False  # state dropped by a restart, the new run's not applied yet
@@ -163,8 +164,11 @@ class RankStream:
         self.need_replay = False
         self.need_snapshot = False
 
+    def new_mirror(self) -> Mirror | None:
+        return Mirror(host_medium=self.host_medium) if self.keep_mirror else None
+
     def clear(self) -> None:
-        self.mirror: Mirror | None = Mirror() if self.keep_mirror else None
+        self.mirror: Mirror | None = self.new_mirror()
         self.synced = True  # False: the mirror misses something until the next reset marker
         self.last: int | None = None  # last seq applied
         self.last_live: int | None = None  # last seq received on the SUB socket
@@ -212,12 +216,13 @@ class StreamTracker:
         control: bool,
         keep_mirror: bool = True,
         callbacks: Callbacks | None = None,
+        host_medium: str | None = None,
     ) -> None:
         check_ranks(ranks)
         self.replay = replay
         self.control = control
         self.callbacks = callbacks or Callbacks()
-        self.streams = {rank: RankStream(rank, keep_mirror) for rank in ranks}
+        self.streams = {rank: RankStream(rank, keep_mirror, host_medium) for rank in ranks}
         self.epoch: int | None = None
         self.need_ping = control
         for stream in self.streams.values():
@@ -329,7 +334,7 @@ class StreamTracker:
             self._restart(stream, "the snapshot belongs to another daemon run")
             return []
         if stream.keep_mirror:
-            mirror = Mirror()
+            mirror = Mirror(host_medium=stream.host_medium)
             try:
                 mirror.apply(events)
             except MirrorError as exc:
@@ -488,7 +493,7 @@ class StreamTracker:
             markers = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
             if markers:  # a reset: from here on the mirror is exact again
                 stream.synced = True
-                stream.mirror = Mirror() if stream.keep_mirror else None
+                stream.mirror = stream.new_mirror()
                 events = events[markers[-1] :]
         if stream.synced and stream.mirror is not None:
             try:
