@@ -5,7 +5,8 @@
 - ``Subscriber`` / ``AsyncSubscriber``: follow the event stream, repairing gaps by replay (or,
   with ``snapshot_endpoint``, bootstrapping from a snapshot: ``kvpubd.client.bootstrap``);
 - ``Mirror``: the cache as a router sees it, rebuilt from published events alone;
-- ``map_pool``: map the daemon's block pool into this process;
+- ``map_pool``: map the daemon's block pool into this process (``map_host_tier``: its host
+  tier);
 - the events a batch holds (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, their
   union ``Event``, and ``EventBatch``), so that a consumer needs no other import.
 
@@ -14,11 +15,12 @@ The client never imports the daemon: it speaks the protocol (``kvpubd.protocol``
 
 from kvpubd.client.control import AsyncControlClient, ControlClient, ControlTimeout
 from kvpubd.client.mirror import Mirror, MirrorError
-from kvpubd.client.pool import MappedPool, map_pool
+from kvpubd.client.pool import MappedPool, map_host_tier, map_pool
 from kvpubd.client.replies import (
     BatchReply,
     ChecksumReply,
     ControlError,
+    HostTierInfo,
     Marker,
     PauseReply,
     PingReply,
@@ -58,6 +60,7 @@ __all__ = [
     "Counters",
     "Event",
     "EventBatch",
+    "HostTierInfo",
     "MappedPool",
     "Marker",
     "Mirror",
@@ -76,6 +79,7 @@ __all__ = [
     "Subscriber",
     "SubscriberError",
     "SubscriberTimeout",
+    "map_host_tier",
     "map_pool",
     "release_request",
     "replay",

@@ -68,3 +68,22 @@ def map_pool(control: ControlClient, rank: int | None = None) -> MappedPool:
     """Map rank ``rank``'s block pool (default: the first rank served) of the daemon behind
     ``control`` into this process."""
     return MappedPool(control.pool_info(rank))
+
+
+def map_host_tier(control: ControlClient, rank: int | None = None) -> MappedPool:
+    """Map rank ``rank``'s host tier (``cache.host_blocks``; ValueError where it is off): a
+    NumPy array ``[host_blocks, block_bytes]`` over shared memory."""
+    info = control.pool_info(rank)
+    if info.host is None:
+        raise ValueError(f"rank {info.rank} has no host tier (cache.host_blocks = 0)")
+    host = info.host
+    return MappedPool(
+        PoolInfo(
+            rank=info.rank,
+            kind="shm",
+            shape=host.shape,
+            dtype=host.dtype,
+            block_bytes=info.block_bytes,
+            name=host.name,
+        )
+    )
