@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from kvpubd.tools.bench_blockpool import bench_blockpool
+from kvpubd.tools.bench_host_tier import bench_host_tier
 from kvpubd.tools.bench_index import bench_index
 from kvpubd.tools.bench_kernels_command import bench_kernels
 from kvpubd.tools.bench_publisher import bench_publisher, bench_vllm_extract
@@ -29,3 +30,4 @@ bench_app.command("throughput")(bench_throughput)
 bench_app.command("blockpool")(bench_blockpool)
 bench_app.command("snapshot")(bench_snapshot)
 bench_app.command("soak")(bench_soak)
+bench_app.command("host-tier")(bench_host_tier)
