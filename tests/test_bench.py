@@ -327,3 +327,10 @@ def test_bench_reset_under_snapshot_endpoint_clients() -> None:
     # 512 one-block stores in the replies: far more than a reply of an empty rank.
     assert summary["reply_bytes"] > 512 * 16
     assert result["daemon"]["alive_at_end"]
+
+
+def test_bench_host_tier_fills_both_tiers_promotes_and_keeps_the_host_tier_on_resets() -> None:
+    result = bench("host-tier", "--pool-blocks", "2048", "--host-blocks", "4096", "--resets", "3")
+    assert result["host_blocks_cached"] == result["host_blocks_after"] == 4096
+    assert result["promoted_fraction"] == 1.0  # every block of those prompts came back
+    assert result["reset"]["n"] == 3 and result["reset"]["p50_us"] > 0
