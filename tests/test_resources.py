@@ -241,6 +241,34 @@ def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> No
     assert sockets == [], sockets
 
 
+@pytest.mark.process
+def test_host_tier_larger_than_dev_shm_exits_2_naming_it(tmp_path: Path) -> None:
+    """The host tier is shared memory whatever the pool's device: refused like a pool."""
+    stats = os.statvfs("/dev/shm")
+    geometry = {"num_layers": 64, "num_kv_heads": 8, "head_dim": 128}
+    block_bytes = CacheConfig(**geometry).block_bytes
+    config = tmp_path / "kvpubd.toml"
+    write_config(
+        config,
+        {
+            "control": {"endpoint": f"ipc://{tmp_path}/control"},
+            "events": {
+                "endpoint": f"ipc://{tmp_path}/ev",
+                "replay_endpoint": f"ipc://{tmp_path}/replay",
+            },
+            "cache": {
+                "num_blocks": 16,
+                "host_blocks": stats.f_bavail * stats.f_frsize // block_bytes + 64,
+                **geometry,
+            },
+        },
+    )
+    result = serve(config)
+    assert result.returncode == 2, result.stderr
+    error = one_error_line(result.stderr)
+    assert "does not fit in /dev/shm" in error and "host tier(s) of" in error, error
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs (mounting needs root)."""

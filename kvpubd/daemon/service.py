@@ -428,16 +428,23 @@ class Service:
         cache = self.settings.cache
         ranks = len(cache.ranks)
         host_pool = cache.num_blocks * cache.block_bytes if cache.on_host else 0
-        if host_pool:
+        # The host tier lives in shared memory whatever the pool's device.
+        host_tier = cache.host_blocks * cache.block_bytes
+        if host_pool or host_tier:
             names = [pool_segment_name(self.settings.control.endpoint, r) for r in cache.ranks]
+            names += [f"{name}-host" for name in names]
+            tier = f", and {ranks} host tier(s) of {cache.host_blocks} blocks" if host_tier else ""
             check_shm_space(
-                ranks * host_pool,
-                describe_pools(ranks, cache.num_blocks, cache.block_bytes),
+                ranks * (host_pool + host_tier),
+                describe_pools(ranks, cache.num_blocks, cache.block_bytes) + tier,
                 reclaimable=stale_segment_bytes(names),
             )
+        per_rank = cache_bytes(cache.num_blocks, cache.block_size, host_pool)
+        per_rank += cache_bytes(cache.host_blocks, cache.block_size, host_tier)
         check_memory(
-            ranks * cache_bytes(cache.num_blocks, cache.block_size, host_pool),
-            f"the cache ({ranks} rank(s) of {cache.num_blocks} blocks)",
+            ranks * per_rank,
+            f"the cache ({ranks} rank(s) of {cache.num_blocks} blocks"
+            + (f" and {cache.host_blocks} host blocks)" if host_tier else ")"),
         )
 
     def _cap_connections(self) -> None:
