@@ -78,6 +78,12 @@ class Mirror:
             raise MirrorError("extra_keys has not one entry per block")
         for i, block_hash in enumerate(event.block_hashes):
             if block_hash in blocks:
+                live = blocks[block_hash].medium
+                if live != event.medium:  # two tiers in one dict: say how to tell them apart
+                    raise MirrorError(
+                        f"BlockStored of {block_hash!r} on medium {event.medium!r}, live on "
+                        f"{live!r}: for a daemon with a host tier, pass host_medium"
+                    )
                 raise MirrorError(f"BlockStored repeats live block {block_hash!r}")
             if host:
                 self._cleared_host.discard(block_hash)  # stored again: no removal follows
