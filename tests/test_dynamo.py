@@ -3,13 +3,15 @@ the ``interop`` extra) subscribed to a real daemon over loopback tcp, unchanged.
 
 Each rank is registered once over HTTP (``POST /register``); ``POST /query`` gives the prefix
 overlap per instance and dp rank (in tokens) and ``GET /dump`` the indexer's whole radix tree,
-whose block hashes are ours: the tests compare it with the daemon's snapshot, block for block.
+whose block hashes are ours: the tests compare it with the daemon's snapshot, block for block
+and tier by tier (the pool's blocks on its device tier, the host tier's on its host tier).
 Skipped when the package is not installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -22,11 +24,21 @@ from typing import Any
 
 import pytest
 
+from kvpubd.client import (
+    ControlClient,
+    ControlError,
+    Mirror,
+    Received,
+    SnapshotReply,
+)
+from kvpubd.protocol.control import ResetTier
 from kvpubd.protocol.endpoints import rank_endpoint
+from kvpubd.protocol.wire import BlockHash, BlockRemoved, BlockStored
 from kvpubd.tools.launcher import free_tcp_port_runs, free_tcp_ports
 from tests.daemon import Daemon, wait_for
 from tests.llmd import LlmdIndex, LlmdSubscriber, Timings, _hash
 from tests.mirrors import snapshot_blocks, store_released, unique_prompt
+from tests.streams import Tap, chain_hashes, seq_of
 
 pytestmark = [
     pytest.mark.dynamo,
@@ -41,6 +53,11 @@ BLOCK = 16
 MODEL = "m"
 INSTANCE = 1
 FOLLOW_S = 5.0  # issue 11: a registered indexer holds the exact state within 5 s
+# The indexer's storage tiers: where it files events of medium GPU (our pool's) and CPU (our
+# host tier's, cache.host_medium's default).
+DEVICE, HOST = "device", "host_pinned"
+HOST_MEDIUM = "CPU"
+Tiers = dict[str, set[BlockHash]]  # block hashes per storage tier
 
 
 class Indexer:
@@ -100,14 +117,30 @@ class Indexer:
         reply = self.http("POST", "/query", {"token_ids": tokens, "model_name": MODEL, **keys})
         return {int(r): n for r, n in reply["scores"].get(str(INSTANCE), {}).items() if n}
 
-    def blocks(self, rank: int) -> set[int]:
-        """The block hashes the indexer holds for our instance's ``rank``."""
-        held: set[int] = set()
+    def matched(self, tokens: list[int]) -> tuple[int, int]:
+        """Our instance's matched prefix in tokens: on the device tier, and on the device tier
+        followed by the host tier (Dynamo's ``gpu`` and ``cpu``, the latter cumulative)."""
+        reply = self.http("POST", "/query", {"token_ids": tokens, "model_name": MODEL})
+        found = reply["instances"].get(str(INSTANCE))
+        return (0, 0) if found is None else (found["gpu"], found["cpu"])
+
+    def tiers(self, rank: int) -> Tiers:
+        """The block hashes the indexer holds for our instance's ``rank``, per storage tier
+        (both named ones always present)."""
+        held: Tiers = {DEVICE: set(), HOST: set()}
         for tree in self.http("GET", "/dump").values():
             for item in tree["events"]:
                 event = item["event"]
                 if item["worker_id"] == INSTANCE and event["dp_rank"] == rank:
-                    held.update(b["block_hash"] for b in event["data"]["stored"]["blocks"])
+                    hashes = (b["block_hash"] for b in event["data"]["stored"]["blocks"])
+                    held.setdefault(item["storage_tier"], set()).update(hashes)
+        return held
+
+    def blocks(self, rank: int) -> set[BlockHash]:
+        """The block hashes the indexer holds for our instance's ``rank``, on any tier."""
+        held: set[BlockHash] = set()
+        for tier in self.tiers(rank).values():
+            held |= tier
         return held
 
     def close(self) -> None:
@@ -127,7 +160,9 @@ def indexer(tmp_path: Path) -> Iterator[Indexer]:
 def tcp_daemon() -> Iterator[Any]:
     started: list[Daemon] = []
 
-    def start(ranks: int = 1, start_rank: int = 0, **events: Any) -> Daemon:
+    def start(
+        ranks: int = 1, start_rank: int = 0, cache: dict[str, Any] | None = None, **events: Any
+    ) -> Daemon:
         # medium GPU: the indexer's scores count the device tier (CPU lands in its host tier).
         # Heartbeats on, as a router-facing daemon runs: the indexer's SUB connects after
         # /register returns, so it can miss the batches published just then; the next
@@ -136,7 +171,11 @@ def tcp_daemon() -> Iterator[Any]:
         daemon = Daemon(
             {
                 "events": settings,
-                "cache": {"data_parallel_size": ranks, "data_parallel_start_rank": start_rank},
+                "cache": {
+                    "data_parallel_size": ranks,
+                    "data_parallel_start_rank": start_rank,
+                    **(cache or {}),
+                },
             },
             transport="tcp",
         )
@@ -149,19 +188,30 @@ def tcp_daemon() -> Iterator[Any]:
         daemon.cleanup()
 
 
-def exact(indexer: Indexer, daemon: Daemon, timeout: float = FOLLOW_S) -> None:
-    """Poll until the indexer holds exactly each rank's snapshot (fail after ``timeout``)."""
+def snapshot_tiers(reply: SnapshotReply) -> Tiers:
+    """A snapshot's blocks per storage tier they belong on in the indexer."""
+    mirror = Mirror(host_medium=HOST_MEDIUM)
+    mirror.apply(reply.events)
+    return {DEVICE: set(mirror.blocks), HOST: set(mirror.host_blocks)}
+
+
+def exact(indexer: Indexer, daemon: Daemon, timeout: float = FOLLOW_S) -> list[Tiers]:
+    """Poll until the indexer holds exactly each rank's snapshot, tier by tier (fail after
+    ``timeout``); returns what it holds, per rank."""
     deadline = time.monotonic() + timeout
     with daemon.client() as client:
         while True:
-            wanted = [set(snapshot_blocks(client.snapshot(r))) for r in daemon.served]
-            held = [indexer.blocks(r) for r in daemon.served]
+            wanted = [snapshot_tiers(client.snapshot(r)) for r in daemon.served]
+            held = [indexer.tiers(r) for r in daemon.served]
             if held == wanted:
-                return
+                return held
             if time.monotonic() > deadline:
-                sizes = [(len(h), len(w)) for h, w in zip(held, wanted, strict=True)]
+                sizes = [
+                    {tier: (len(h.get(tier, ())), len(w.get(tier, ()))) for tier in h.keys() | w}
+                    for h, w in zip(held, wanted, strict=True)
+                ]
                 raise AssertionError(
-                    f"indexer (held, wanted) blocks per rank {sizes} after {timeout} s:\n"
+                    f"indexer (held, wanted) blocks per rank and tier {sizes} after {timeout} s:\n"
                     + indexer.log()[-3000:]
                 )
             time.sleep(0.05)
@@ -355,3 +405,223 @@ def test_rejects_the_batches_of_a_daemon_serving_snapshots(
         what="the indexer refusing a batch of four elements",
     )
     assert indexer.blocks(0) == set()
+
+
+# -- the host tier (cache.host_blocks) ----------------------------------------------------------
+
+POOL_BLOCKS = 4  # a pool of two prompts of two blocks: a third evicts the least recent one
+PROMPT = 2 * BLOCK
+
+
+def tiered_cache(host_blocks: int, pool_blocks: int = POOL_BLOCKS) -> dict[str, Any]:
+    return {"num_blocks": pool_blocks, "host_blocks": host_blocks}
+
+
+def wait_matched(indexer: Indexer, tokens: list[int], want: tuple[int, int]) -> None:
+    deadline = time.monotonic() + FOLLOW_S
+    while (got := indexer.matched(tokens)) != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"(gpu, cpu) {got} != {want}:\n{indexer.log()[-3000:]}")
+        time.sleep(0.05)
+
+
+def tap(daemon: Daemon) -> Tap:
+    """kvpubd's own subscriber beside the indexer, keeping every batch: it shows when what a
+    reset leaves to publish after its marker is out (its strict mirror checks the stream)."""
+    sub = daemon.subscriber(control=daemon.control_endpoint, host_medium=HOST_MEDIUM)
+    return Tap(sub)
+
+
+def host_events(batches: list[Received], kind: type[BlockStored | BlockRemoved]) -> set[BlockHash]:
+    """The hashes that events of ``kind`` name on the host tier in ``batches``."""
+    return {
+        block_hash
+        for batch in batches
+        for event in batch.batch.events
+        if isinstance(event, kind) and event.medium == HOST_MEDIUM
+        for block_hash in event.block_hashes
+    }
+
+
+def reset_published(client: ControlClient, watch: Tap, tier: ResetTier, force: bool = False) -> int:
+    """Reset ``tier`` of rank 0 and receive until the host tier's part after the marker is out:
+    the removal of every block the tier held ("all"), or their stores again ("gpu"). Returns
+    the marker's seq."""
+    host = snapshot_tiers(client.snapshot(0))[HOST]
+    marker = seq_of(client.reset(0, force=force, tier=tier).markers[0])
+    kind = BlockRemoved if tier == "all" else BlockStored
+    watch.until(
+        lambda: host <= host_events(watch.after(0, marker), kind),
+        timeout=FOLLOW_S,
+        what=f"the host tier's {kind.__name__} of {len(host)} blocks after a {tier} reset",
+    )
+    return marker
+
+
+def fence(client: ControlClient, indexer: Indexer, daemon: Daemon) -> Tiers:
+    """Store and release a fresh one-block prompt, then wait for the indexer to hold exactly
+    the snapshot: it has then applied everything published before that store."""
+    store_released(client, unique_prompt(1))
+    return exact(indexer, daemon)[0]
+
+
+def test_demoted_blocks_are_on_the_host_tier(indexer: Indexer, tcp_daemon: Any) -> None:
+    """The third prompt evicts the first from the pool: the indexer holds its blocks on its host
+    tier and the others on the device tier, as the daemon's snapshot has them; a query of the
+    first prompt matches nothing on the device and all of it counting the host."""
+    daemon = tcp_daemon(cache=tiered_cache(host_blocks=8))
+    indexer.register(daemon)
+    first, second, third = (unique_prompt(2) for _ in range(3))
+    with daemon.client() as client:
+        for prompt in (first, second, third):
+            store_released(client, prompt)
+        assert client.stats().ranks[0].host_blocks_cached == 2
+    held = exact(indexer, daemon)[0]
+    assert held[HOST] == set(chain_hashes(first))
+    assert held[DEVICE] == set(chain_hashes(second) + chain_hashes(third))
+    wait_matched(indexer, first, (0, PROMPT))
+    assert indexer.matched(third) == (PROMPT, PROMPT)
+
+
+def test_promoted_blocks_are_on_both_tiers(indexer: Indexer, tcp_daemon: Any) -> None:
+    """The evicted first prompt stored again comes back from the host tier (cached, no
+    compute): the indexer holds it on the device tier and still on the host tier, beside the
+    second prompt, which that store evicted."""
+    daemon = tcp_daemon(cache=tiered_cache(host_blocks=8))
+    indexer.register(daemon)
+    first, second, third = (unique_prompt(2) for _ in range(3))
+    with daemon.client() as client:
+        for prompt in (first, second, third):
+            store_released(client, prompt)
+        demoted = exact(indexer, daemon)[0][HOST]
+        assert store_released(client, first).num_cached_tokens == PROMPT
+    held = exact(indexer, daemon)[0]
+    assert demoted == set(chain_hashes(first))
+    assert held[DEVICE] == set(chain_hashes(third) + chain_hashes(first))
+    assert held[HOST] == set(chain_hashes(first) + chain_hashes(second))
+    wait_matched(indexer, first, (PROMPT, PROMPT))
+    assert indexer.matched(second) == (0, PROMPT)
+
+
+def test_host_tier_evictions(indexer: Indexer, tcp_daemon: Any) -> None:
+    """A host tier of three blocks below a pool of four, five prompts of two blocks: six blocks
+    are demoted, three evicted from the host tier least recently used first (the first prompt,
+    then the second one's first block). The indexer drops exactly those."""
+    daemon = tcp_daemon(cache=tiered_cache(host_blocks=3))
+    indexer.register(daemon)
+    prompts = [unique_prompt(2) for _ in range(5)]
+    with daemon.client() as client:
+        for prompt in prompts:
+            store_released(client, prompt)
+    held = exact(indexer, daemon)[0]
+    assert held[HOST] == {chain_hashes(prompts[1])[1], *chain_hashes(prompts[2])}
+    wait_matched(indexer, prompts[2], (0, PROMPT))
+    assert [indexer.matched(p) for p in prompts[:2]] == [(0, 0), (0, 0)]
+
+
+def test_reset_of_every_tier(indexer: Indexer, tcp_daemon: Any) -> None:
+    """After ``reset(tier="all")`` the indexer holds nothing, and still nothing once the host
+    tier's removals that follow the marker are out (they name blocks it already dropped)."""
+    daemon = tcp_daemon(cache=tiered_cache(host_blocks=8))
+    indexer.register(daemon)
+    watch = tap(daemon)
+    prompts = [unique_prompt(2) for _ in range(4)]
+    try:
+        with daemon.client() as client:
+            for prompt in prompts:
+                store_released(client, prompt)
+            before = exact(indexer, daemon)[0]
+            assert (len(before[DEVICE]), len(before[HOST])) == (4, 4)
+            reset_published(client, watch, "all")
+            assert exact(indexer, daemon)[0] == {DEVICE: set(), HOST: set()}
+            after = fence(client, indexer, daemon)
+    finally:
+        watch.sub.close()
+    assert (len(after[DEVICE]), after[HOST]) == (1, set())
+    assert [indexer.matched(p) for p in prompts] == [(0, 0)] * 4
+
+
+def test_reset_of_the_pool_alone(indexer: Indexer, tcp_daemon: Any) -> None:
+    """After ``reset(tier="gpu")`` the indexer, which drops every tier at the marker, holds the
+    host tier's blocks again once the daemon has stored them again: exactly the ones that
+    survived; the demoted prompt matches on the host alone, the pool's prompts not at all."""
+    daemon = tcp_daemon(cache=tiered_cache(host_blocks=8))
+    indexer.register(daemon)
+    watch = tap(daemon)
+    prompts = [unique_prompt(2) for _ in range(4)]
+    try:
+        with daemon.client() as client:
+            for prompt in prompts:
+                store_released(client, prompt)
+            before = exact(indexer, daemon)[0]
+            reset_published(client, watch, "gpu")
+            assert client.stats().ranks[0].host_blocks_cached == 4
+            after = fence(client, indexer, daemon)
+    finally:
+        watch.sub.close()
+    assert after[HOST] == before[HOST] and len(after[DEVICE]) == 1
+    wait_matched(indexer, prompts[0], (0, PROMPT))
+    assert [indexer.matched(p) for p in prompts[2:]] == [(0, 0)] * 2
+
+
+def leading(hashes: list[BlockHash], held: set[BlockHash]) -> int:
+    """How many of ``hashes``, from the first, are in ``held``."""
+    return next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_randomised_run(indexer: Indexer, tcp_daemon: Any, seed: int) -> None:
+    """Stores of prompts that share prefixes (some with a partial last block, some left open),
+    releases and resets of either scope, forced over open requests, on a pool of 8 blocks over
+    a host tier of 6: the indexer ends with the daemon's snapshot, tier by tier, and so does
+    kvpubd's strict mirror. The run demoted, promoted and evicted from the host tier."""
+    rng = random.Random(seed)
+    daemon = tcp_daemon(cache=tiered_cache(host_blocks=6, pool_blocks=8))
+    indexer.register(daemon)
+    watch = tap(daemon)
+    trunks = [unique_prompt(4) for _ in range(5)]
+    open_ids: list[str] = []
+    seen = {"demoted": 0, "promoted": 0, "host evicted": 0, "all": 0, "gpu": 0}
+    try:
+        with daemon.client() as client:
+            for step in range(80):
+                roll = rng.random()
+                if step in (30, 60) or roll < 0.05:
+                    tier: ResetTier = "all" if step == 30 else "gpu" if step == 60 else "all"
+                    if step not in (30, 60) and rng.random() < 0.5:
+                        tier = "gpu"
+                    reset_published(client, watch, tier, force=True)
+                    seen[tier] += 1
+                    open_ids.clear()
+                elif roll < 0.25 and open_ids:
+                    client.release(open_ids.pop(rng.randrange(len(open_ids))))
+                else:
+                    tokens = rng.choice(trunks)[: rng.randint(1, 4) * BLOCK]
+                    if rng.random() < 0.3:
+                        tokens += [rng.randint(1, 3)] * BLOCK  # a branch that recurs
+                    if rng.random() < 0.3:
+                        tokens += [7] * (BLOCK // 2)  # a partial last block
+                    request_id = f"run-{step}"
+                    before = snapshot_tiers(client.snapshot(0))
+                    try:
+                        reply = client.store(request_id, tokens)
+                    except ControlError as error:
+                        assert error.code == "pool_exhausted"
+                        continue
+                    after = snapshot_tiers(client.snapshot(0))
+                    on_pool = leading(chain_hashes(tokens), before[DEVICE])
+                    seen["promoted"] += reply.num_cached_tokens > on_pool * BLOCK
+                    seen["demoted"] += bool(after[HOST] - before[HOST])
+                    seen["host evicted"] += bool(before[HOST] - after[HOST])
+                    if rng.random() < 0.3:
+                        open_ids.append(request_id)
+                    else:
+                        client.release(request_id)
+            final = fence(client, indexer, daemon)
+            watch.settle(client)
+            mirror = watch.sub.mirror(0)
+            assert mirror is not None
+            assert {DEVICE: set(mirror.blocks), HOST: set(mirror.host_blocks)} == final
+    finally:
+        watch.sub.close()
+    assert all(seen.values()), seen

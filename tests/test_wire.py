@@ -24,8 +24,11 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpubd.client import replay
+from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.hashing import HashAlgorithm, chain_digests
 from kvpubd.protocol.wire import BatchEncoder, BlockRemoved, BlockStored, Event, decode_batch
+from kvpubd.tools.vllm_source import kv_events_path, load_kv_events
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.streams import independent_digest, independent_root_key
@@ -673,3 +676,39 @@ def test_block_hashes_given_as_an_array_between_stores_of_token_arrays_read_back
     assert decoded[1]["block_hashes"] == [0, 1, 2]
     del decoded[1]
     assert [e["token_ids"] for e in decoded] == [t.tolist() for t in tokens]
+
+
+@pytest.mark.skipif(
+    not kv_events_path().is_file(),
+    reason="vLLM's kv_events.py not extracted (kvpubd bench vllm-extract WHEEL)",
+)
+def test_vllm_decodes_every_batch_of_a_host_tier_stream(start_daemon: DaemonFactory) -> None:
+    """A pool of 4 blocks over a host tier of 3 (cache.host_blocks): demotions, host-tier
+    evictions, a promotion and resets of both scopes. Every batch decodes with vLLM's own
+    ``KVEventBatch`` (its kv_events.py, loaded on its own) and with this file's strict
+    structs, and the events name both media: the pool's "GPU", the host tier's "CPU"."""
+    vllm_batch = msgspec.msgpack.Decoder(load_kv_events().KVEventBatch)
+    daemon = start_daemon(cache={"num_blocks": 4, "host_blocks": 3})
+    prompts = [[seed, *range(1, 2 * 16)] for seed in range(10_000, 10_005)]
+    with daemon.client() as client:
+        for n, tokens in enumerate([*prompts, prompts[2]]):  # the last one is promoted
+            client.store(f"r{n}", tokens)
+            client.release(f"r{n}")
+        client.reset(tier="gpu")
+        client.reset(tier="all")
+        last = client.snapshot().seq
+        first = client.stats().ranks[0].first_seq
+    payloads = replay(rank_endpoint(daemon.replay_endpoint, 0), first, timeout=TIMEOUT)
+    assert payloads[-1][0] >= last
+    media: set[tuple[str, str | None]] = set()
+    for _, payload in payloads:
+        batch = vllm_batch.decode(payload)
+        decode("map", payload)
+        media.update((type(e).__name__, getattr(e, "medium", None)) for e in batch.events)
+    assert {
+        ("AllBlocksCleared", None),
+        ("BlockStored", "GPU"),
+        ("BlockStored", "CPU"),
+        ("BlockRemoved", "GPU"),
+        ("BlockRemoved", "CPU"),
+    } <= media
