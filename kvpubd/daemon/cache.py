@@ -17,7 +17,7 @@ from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
 from kvpubd.daemon.tier_copy import Fence
 from kvpubd.protocol.control import Store
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
-from kvpubd.protocol.wire import BlockStored
+from kvpubd.protocol.wire import BlockHash, BlockStored
 
 RequestId = str | int
 
@@ -274,7 +274,7 @@ class RankCache:
         if self.host is not None:
             # Copied out before any of the blocks is handed out again; their host stores go
             # out before their removal from the pool, so no reader sees them nowhere.
-            self._demote(evicted, digests)
+            self._demote(evicted, digests, hashes)
         self.sink.removed(evicted, hashes)
         self.pool.free(evicted)
 
@@ -289,65 +289,79 @@ class RankCache:
         host.let_go(slots, plan.host_generation)
         plan.copied = True
 
-    def _demote(self, evicted: list[int], digests: list[bytes]) -> None:
+    def _demote(self, evicted: list[int], digests: list[bytes], hashes: list[BlockHash]) -> None:
         """Copy the blocks the pool evicts (``evicted``, leaves first) to the host tier, those
         not there already (which are only used), evicting its least recently used."""
         host = self.host
         assert host is not None
-        slot_of, touch = host.slot_of, host.touch
-        moved: list[int] = []
-        moved_digests: list[bytes] = []
-        for block_id, digest in zip(reversed(evicted), reversed(digests), strict=True):
-            slot = slot_of.get(digest)  # parents first: the order readers link a chain in
-            if slot is None:
-                moved.append(block_id)
-                moved_digests.append(digest)
-            else:
-                touch(slot)
-        if not moved:
-            return
+        # Parents first: the order readers link a chain in.
+        moved, moved_digests, moved_hashes = evicted[::-1], digests[::-1], hashes[::-1]
+        found = list(map(host.slot_of.get, moved_digests))
+        if found.count(None) != len(found):  # some are there already: only used
+            kept = [i for i, slot in enumerate(found) if slot is None]
+            for slot in found:
+                if slot is not None:
+                    host.touch(slot)
+            moved = [moved[i] for i in kept]
+            moved_digests = [moved_digests[i] for i in kept]
+            moved_hashes = [moved_hashes[i] for i in kept]
+            if not moved:
+                return
         slots, gone = host.take(len(moved))
         if gone:
             self.sink.host_removed(gone, self.wire_hash([host.digest[s] for s in gone]))
         # With every slot held by stores under way, the deepest blocks are not kept.
-        del moved[len(slots) :], moved_digests[len(slots) :]
+        del moved[len(slots) :], moved_digests[len(slots) :], moved_hashes[len(slots) :]
         if not moved:
             return
         index = self.index
-        parent_of, digest_of, keys_of = index.parent, index.digest, index.keys
-        parents = [digest_of[p] if (p := parent_of[b]) != ROOT else None for b in moved]
-        host.fill(slots, moved_digests, parents, [keys_of[b] for b in moved], self.tokens[moved])
+        parents: list[bytes | None] = list(
+            map(index.digest.__getitem__, map(index.parent.__getitem__, moved))
+        )
+        if ROOT in (roots := list(map(index.parent.__getitem__, moved))):
+            for i, parent in enumerate(roots):
+                if parent == ROOT:
+                    parents[i] = None  # a prompt's first block
+        keys = list(map(index.keys.__getitem__, moved))
+        rows = self.tokens[moved]
+        host.fill(slots, moved_digests, parents, keys, rows)
         host.copier.demote(np.asarray(moved, dtype=np.int64), np.asarray(slots, np.int64))
         self._copied = True
-        self._publish_host_stores(slots)
+        self._publish_host_stores(slots, moved_hashes, moved_digests, parents, keys, rows)
 
-    def _publish_host_stores(self, slots: list[int], announced: bool = False) -> None:
-        """Capture the host tier's blocks in ``slots`` as stores: one per run of blocks each
-        the chain child of the one before (as they were stored), with the chain parent's hash
-        whichever tier holds it (Dynamo links a host block to the block before it)."""
-        host = self.host
-        assert host is not None
-        digest, parent, keys = host.digest, host.parent_digest, host.keys
+    def _publish_host_stores(
+        self,
+        slots: list[int],
+        hashes: list[BlockHash],
+        digests: list[bytes],
+        parents: list[bytes | None],
+        keys: list[StoreKeys],
+        rows: np.ndarray,
+        announced: bool = False,
+    ) -> None:
+        """Capture the host tier's blocks in ``slots`` (their wire hashes, digests, chain
+        parents' digests, keys and token rows) as stores: one per run of blocks each the chain
+        child of the one before (as they were stored), with the chain parent's hash whichever
+        tier holds it (Dynamo links a host block to the block before it)."""
         wire_hash = self.wire_hash
-        hashes = wire_hash([digest[s] for s in slots])
-        starts = [
+        starts = [0]
+        starts += [
             i
-            for i, slot in enumerate(slots)
-            if i == 0
-            or parent[slot] != digest[slots[i - 1]]
-            or keys[slot] is not keys[slots[i - 1]]
+            for i, (parent, before, key, key_before) in enumerate(
+                zip(parents[1:], digests, keys[1:], keys, strict=False), 1
+            )
+            if parent != before or key is not key_before
         ]
-        run_parents = [parent[slots[i]] for i in starts]
+        run_parents = [parents[i] for i in starts]
         parent_hashes = wire_hash([p for p in run_parents if p is not None])[::-1]
-        for run, first in enumerate(starts):
-            end = starts[run + 1] if run + 1 < len(starts) else len(slots)
-            run_slots = slots[first:end]
+        ends = [*starts[1:], len(slots)]
+        for first, end, parent in zip(starts, ends, run_parents, strict=True):
             self.sink.host_stored(
-                slots=run_slots,
+                slots=slots[first:end],
                 hashes=hashes[first:end],
-                parent_hash=parent_hashes.pop() if run_parents[run] is not None else None,
-                token_ids=host.tokens[run_slots].reshape(-1),
-                keys=keys[run_slots[0]],
+                parent_hash=parent_hashes.pop() if parent is not None else None,
+                token_ids=rows[first:end].reshape(-1),
+                keys=keys[first],
                 announced=announced,
             )
 
@@ -363,7 +377,16 @@ class RankCache:
         if limit > len(removed):
             announced = host.next_announcements(limit - len(removed))
             if announced:
-                self._publish_host_stores(announced, announced=True)
+                digests = list(map(host.digest.__getitem__, announced))
+                self._publish_host_stores(
+                    announced,
+                    self.wire_hash(digests),
+                    digests,
+                    list(map(host.parent_digest.__getitem__, announced)),
+                    list(map(host.keys.__getitem__, announced)),
+                    host.tokens[announced],
+                    announced=True,
+                )
         return host.backlog
 
     def copy_fence(self) -> Fence | None:

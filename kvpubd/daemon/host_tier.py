@@ -20,7 +20,7 @@ announced.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -77,14 +77,12 @@ class HostTier:
 
     def match(self, digests: list[bytes]) -> list[int]:
         """The slots of the longest prefix of ``digests`` held here."""
-        slot_of = self.slot_of
-        found = []
-        for digest in digests:
-            slot = slot_of.get(digest)
-            if slot is None:
-                break
-            found.append(slot)
-        return found
+        if not digests or digests[0] not in self.slot_of:
+            return []  # the usual case: no lookup of every block of a new prompt
+        found = list(map(self.slot_of.get, digests))  # in C: no bytecode per block
+        if None in found:
+            del found[found.index(None) :]
+        return found  # type: ignore[return-value]
 
     def hold(self, slots: list[int]) -> None:
         holds, lru = self._holds, self._lru
@@ -116,12 +114,11 @@ class HostTier:
         fresh = min(count, self.capacity - self._watermark)
         taken = list(range(self._watermark, self._watermark + fresh))
         self._watermark += fresh
-        evicted: list[int] = []
-        lru, slot_of, digest = self._lru, self.slot_of, self.digest
-        while len(taken) + len(evicted) < count and lru:
-            slot, _ = lru.popitem(last=False)
-            del slot_of[digest[slot]]
-            evicted.append(slot)
+        lru = self._lru
+        pop = lru.popitem
+        evicted = [pop(last=False)[0] for _ in range(min(count - fresh, len(lru)))]
+        # Their digests leave the map in C calls: no bytecode per block.
+        deque(map(self.slot_of.__delitem__, map(self.digest.__getitem__, evicted)), maxlen=0)
         return taken + evicted, evicted
 
     def fill(
@@ -133,16 +130,28 @@ class HostTier:
         tokens: np.ndarray,
     ) -> None:
         """Record the blocks copied into ``slots`` (taken), most recently used last."""
+        count = len(slots)
         self.slot_of.update(zip(digests, slots, strict=True))
+        self._lru.update(dict.fromkeys(slots))
         digest_of, parent_of, keys_of = self.digest, self.parent_digest, self.keys
-        stored_in, holds, lru, epoch = self._stored_in, self._holds, self._lru, self._epoch
-        for slot, digest, parent, key in zip(slots, digests, parents, keys, strict=True):
-            digest_of[slot] = digest
-            parent_of[slot] = parent
-            keys_of[slot] = key
-            stored_in[slot] = epoch
-            holds[slot] = 0
-            lru[slot] = None
+        stored_in, holds, epoch = self._stored_in, self._holds, self._epoch
+        first = slots[0]
+        if slots == list(range(first, first + count)):
+            # Consecutive slots (fresh ones, and evictions in the order they were filled):
+            # slice assignments, in C.
+            end = first + count
+            digest_of[first:end] = digests
+            parent_of[first:end] = parents
+            keys_of[first:end] = keys
+            stored_in[first:end] = [epoch] * count
+            holds[first:end] = [0] * count
+        else:
+            for slot, digest, parent, key in zip(slots, digests, parents, keys, strict=True):
+                digest_of[slot] = digest
+                parent_of[slot] = parent
+                keys_of[slot] = key
+                stored_in[slot] = epoch
+                holds[slot] = 0
         self.tokens[slots] = tokens
         for removals in self._removals:
             # Stored again after a clear: its removal must not follow the new store.

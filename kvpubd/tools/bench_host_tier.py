@@ -48,6 +48,24 @@ def _rate(seconds: float, blocks: int) -> float:
     return blocks / seconds if seconds > 0 else 0.0
 
 
+def measure_baseline(pool_blocks: int, prompts: int, device: str) -> float:
+    """Blocks per second of new prompts into a full pool that evicts without a host tier:
+    the same stores as the host tier's ``fresh`` phase, to tell what demotions cost."""
+    overrides: dict[str, dict[str, Any]] = {
+        "cache": {**TINY_BLOCKS, "num_blocks": pool_blocks, "device": device},
+        "service": {"log_level": "warning", "rank_processes": "off"},
+    }
+    with DaemonProcess(overrides, transport="tcp") as daemon:
+        probe = ResetProbe(daemon)
+        try:
+            probe.wait_connected()
+            _store_prompts(probe, range(-(-pool_blocks // PROMPT_BLOCKS)), "fill")
+            seconds, blocks, _ = _store_prompts(probe, range(10**6, 10**6 + prompts), "fresh")
+        finally:
+            probe.close()
+    return _rate(seconds, blocks)
+
+
 def measure_host_tier(
     pool_blocks: int, host_blocks: int, resets: int, device: str, idle_ms: float
 ) -> dict[str, Any]:
@@ -109,6 +127,7 @@ def measure_host_tier(
             out["host_blocks_after"] = probe.client.stats().ranks[0].host_blocks_cached
         finally:
             probe.close()
+    out["no_tier_blocks_per_s"] = measure_baseline(pool_blocks, on_host, device)
     return out
 
 
@@ -141,6 +160,7 @@ def bench_host_tier(
     table.add_row("store, promoted from host (blocks/s)", f"{result['promote_blocks_per_s']:,.0f}")
     table.add_row("  promoted fraction", f"{result['promoted_fraction']:.2f}")
     table.add_row("store, new blocks, full host (blocks/s)", f"{result['fresh_blocks_per_s']:,.0f}")
+    table.add_row("  the same without a host tier", f"{result['no_tier_blocks_per_s']:,.0f}")
     reset = result["reset"]
     table.add_row(
         "reset gpu -> marker p50 / p99 (ms)",
