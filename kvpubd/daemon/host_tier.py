@@ -21,6 +21,7 @@ announced.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -155,14 +156,14 @@ class HostTier:
         self.tokens[slots] = tokens
         for removals in self._removals:
             # Stored again after a clear: its removal must not follow the new store.
-            for digest in digests:
-                removals.pop(digest, None)
+            deque(map(removals.pop, digests, repeat(None)), maxlen=0)
 
     def clear(self) -> tuple[object, ...]:
         """Drop every block in O(1); their removals become due (``next_removals``). Returns
         the old containers for the reaper."""
         self.generation += 1
-        self._removals.append(self.slot_of)
+        if self.slot_of:  # a flood of resets leaves no list of empty ones behind
+            self._removals.append(self.slot_of)
         old = (self._lru,)
         self.slot_of = {}
         self._lru = OrderedDict()
