@@ -212,7 +212,7 @@ def test_cuda_fence_is_done_only_once_the_copies_before_it_are(host_tier: MakeHo
             primary.data.fill(7)
         spin = cupy.RawKernel(_SPIN, "spin_until_set")
         with primary.stream:
-            spin((1,), (1,), (flag.ctypes.data,))
+            spin((1,), (1,), (np.uint64(flag.ctypes.data),))
         copier.demote(BLOCK_IDS, SLOTS)
         fence = copier.fence()
         assert not fence.done

@@ -35,6 +35,7 @@ from rich.table import Table
 from kvpubd.daemon import tier_copy
 from kvpubd.daemon.kernels import gpu_available
 from kvpubd.daemon.pool import SHM_DIR, CudaPool, HostPool
+from kvpubd.tools.bench_kernels import _fill_pattern as fill_pattern
 from kvpubd.tools.bench_report import err
 
 MIB = 1 << 20
@@ -168,8 +169,7 @@ def _gpu_block_size(
     with _pools(n, bb, gpu=True) as (primary, host):
         assert isinstance(primary, CudaPool)
         stream = primary.stream
-        with stream:
-            primary.data[...] = cupy.random.randint(0, 256, primary.data.shape, dtype=cupy.uint8)
+        fill_pattern(primary.data, stream, bb)
         stream.synchronize()
         original = cupy.asnumpy(primary.data)
         anchor = _gpu_anchors(primary, host, repeats, warmup)
