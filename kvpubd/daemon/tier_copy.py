@@ -59,6 +59,7 @@ _HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_MAPPED = 2
 _MEMCPY_HOST_TO_DEVICE = 1
 _MEMCPY_DEVICE_TO_HOST = 2
+_ATTR_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
 
 class Fence(Protocol):
@@ -209,9 +210,13 @@ class CudaCopier:
             runtime.hostRegister(
                 self._host_ptr, self._host_size, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
             )
+            try:
+                self._host_device_base = _mapped_pointer(runtime, self._host_ptr, self._device)
+                props = runtime.getDeviceProperties(self._device)
+            except BaseException:
+                runtime.hostUnregister(self._host_ptr)  # a registration outlives its mapping
+                raise
             self._registered = True
-            self._host_device_base = int(runtime.hostGetDevicePointer(self._host_ptr, 0))
-            props = runtime.getDeviceProperties(self._device)
         self._grid_cap = int(props["multiProcessorCount"]) * ctas_per_sm
         self._unroll = unroll
         kernel_fits = self.block_bytes % 16 == 0
@@ -323,6 +328,25 @@ class CudaCopier:
             memcpy(d, s, size, kind, stream)
 
 
+def _mapped_pointer(runtime: Any, host_ptr: int, device: int) -> int:
+    """The device's address of registered, mapped host memory at ``host_ptr``."""
+    if runtime.deviceGetAttribute(_ATTR_HOST_POINTER_FOR_REGISTERED_MEM, device):
+        return host_ptr  # the usual case: unified addressing, the same address
+    # CuPy does not wrap cudaHostGetDevicePointer; the driver's twin gives the same answer.
+    pointer = ctypes.c_uint64(0)
+    result = _driver().cuMemHostGetDevicePointer_v2(
+        ctypes.byref(pointer), ctypes.c_void_p(host_ptr), ctypes.c_uint(0)
+    )
+    if result != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed: CUresult {result}")
+    return int(pointer.value)
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+
+
 @functools.lru_cache(maxsize=8)
 def _load_kernel(device: int, unroll: int) -> Any:
     cupy = _import_cupy()
@@ -403,8 +427,7 @@ class _BatchCopy:
 
 @functools.lru_cache(maxsize=1)
 def _batch_copy_function() -> _BatchCopy:
-    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
     try:
-        return _BatchCopy(ctypes.CDLL(name))
+        return _BatchCopy(_driver())
     except (OSError, AttributeError) as exc:
         raise RuntimeError(f"cuMemcpyBatchAsync is not available: {exc}") from exc
