@@ -203,8 +203,20 @@ class CudaCopier:
         self._device_base = int(primary.data.data.ptr)
         self._host_ptr = int(host.data.ctypes.data)
         self._host_size = host.num_blocks * host.block_bytes
+        kernel_fits = self.block_bytes % 16 == 0
+        if method == "auto":
+            method = "kernel" if kernel_fits and self.block_bytes < KERNEL_BELOW_BYTES else "memcpy"
+        if method == "kernel" and not kernel_fits:
+            raise ValueError("the copy kernel needs block_bytes to be a multiple of 16")
+        self.method: CopyMethod = method
+        self._unroll = unroll
+        # Everything that can fail comes before the registration, which must not leak.
+        self._kernel = _load_kernel(self._device, unroll) if method == "kernel" else None
+        self._batch = _batch_copy_function() if method == "batch" else None
         runtime = cupy.cuda.runtime
         with cupy.cuda.Device(self._device):
+            props = runtime.getDeviceProperties(self._device)
+            self._grid_cap = int(props["multiProcessorCount"]) * ctas_per_sm
             # Page-locked for DMA; mapped, so that the kernel can reach it; portable, so that
             # every context of the process sees it page-locked.
             runtime.hostRegister(
@@ -212,21 +224,10 @@ class CudaCopier:
             )
             try:
                 self._host_device_base = _mapped_pointer(runtime, self._host_ptr, self._device)
-                props = runtime.getDeviceProperties(self._device)
             except BaseException:
                 runtime.hostUnregister(self._host_ptr)  # a registration outlives its mapping
                 raise
             self._registered = True
-        self._grid_cap = int(props["multiProcessorCount"]) * ctas_per_sm
-        self._unroll = unroll
-        kernel_fits = self.block_bytes % 16 == 0
-        if method == "auto":
-            method = "kernel" if kernel_fits and self.block_bytes < KERNEL_BELOW_BYTES else "memcpy"
-        if method == "kernel" and not kernel_fits:
-            raise ValueError("the copy kernel needs block_bytes to be a multiple of 16")
-        self.method: CopyMethod = method
-        self._kernel = _load_kernel(self._device, unroll) if method == "kernel" else None
-        self._batch = _batch_copy_function() if method == "batch" else None
         # Pinned id lists whose upload may still be in flight, with the event after it.
         self._staged: deque[tuple[Any, Any]] = deque()
 
@@ -247,10 +248,12 @@ class CudaCopier:
             return
         with self._cupy.cuda.Device(self._device):
             # Un-pinning memory a copy still reads or writes is undefined: wait for them.
-            self.stream.synchronize()
-            self._staged.clear()
-            self._cupy.cuda.runtime.hostUnregister(self._host_ptr)
-        self._registered = False
+            try:
+                self.stream.synchronize()
+            finally:
+                self._registered = False
+                self._staged.clear()
+                self._cupy.cuda.runtime.hostUnregister(self._host_ptr)
 
     # -- the three ways ----------------------------------------------------------------------
 

@@ -169,10 +169,11 @@ def _gpu_block_size(
     with _pools(n, bb, gpu=True) as (primary, host):
         assert isinstance(primary, CudaPool)
         stream = primary.stream
+        # The anchors copy over the pool: fill it after them.
+        anchor = _gpu_anchors(primary, host, repeats, warmup)
         fill_pattern(primary.data, stream, bb)
         stream.synchronize()
         original = cupy.asnumpy(primary.data)
-        anchor = _gpu_anchors(primary, host, repeats, warmup)
         anchor["block_bytes"] = bb
         anchors.append(anchor)
         todo: list[tuple[str, dict[str, int]]] = [(m, {}) for m in (methods or GPU_METHODS)]
