@@ -3,7 +3,7 @@
 # notes quote). Wheels the image lacks are taken from $WHEELS (default .devwheels, made with
 # `pip download --python-version 3.12 --only-binary=:all: pyzmq pydantic pydantic-settings
 # msgspec pytest-asyncio xxhash`). Results go to $OUT (default ./bench-out). Usage:
-#   scripts/h200-bench.sh gpu-tests|reset|under LOAD|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks [RESETS [FILL]]|ranks-apart [ALGORITHM]
+#   scripts/h200-bench.sh gpu-tests|tiers [MIB]|reset|under LOAD|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks [RESETS [FILL]]|ranks-apart [ALGORITHM]
 # The vLLM comparisons (publisher, blockpool, throughput's --against-vllm) read vLLM's files from
 # $KVPUBD_VLLM_DIR (default .devvllm/: kv_events.py, block_pool.py and the rest; made on a host
 # with network by `KVPUBD_VLLM_DIR=.devvllm kvpubd bench vllm-extract WHEEL`); without them
@@ -19,8 +19,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
     || export PYTHONPATH=$PWD
 K="python3 -m kvpubd"
 case "${1:-}" in
-  gpu-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_pool_sharing.py \
+  gpu-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_tier_copy.py tests/test_pool_sharing.py \
                  tests/test_reset_contract.py tests/test_sliced_pool_work.py -m "not slow" 2>&1 | tail -5 ;;
+  # tiers [MIB]: demote/promote between the GPU pool and the host tier, every copy method,
+  # against one contiguous pinned copy; then the NumPy copier
+  tiers) $K bench tiers --total-mib "${2:-512}" --json > "$OUT/tiers.json"
+         $K bench tiers --total-mib "${2:-512}" --cpu --json > "$OUT/tiers-cpu.json" ;;
   # soak [SECONDS]: every load at once, resets timed, mirrors checked
   soak) $K bench soak --duration "${2:-60}" --json > "$OUT/soak.json" ;;
   reset) $K bench reset --sizes 0,10000,100000,1000000 --resets 200 --json > "$OUT/reset-cpu.json"
@@ -69,6 +73,6 @@ case "${1:-}" in
                  $K bench throughput --ranks "$r" --daemon-per-rank --requests $((2000 * r)) \
                      --hash-algorithm "${2:-sha256}" --json > "$OUT/ranks-apart-$r-${2:-sha256}.json"
                done ;;
-  *) echo "usage: $0 gpu-tests|reset|under LOAD [RESETS]|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks [RESETS [FILL]]|ranks-apart [ALGORITHM]" >&2
+  *) echo "usage: $0 gpu-tests|tiers [MIB]|reset|under LOAD [RESETS]|snapshot [SIZES]|soak [SECONDS]|throughput [ALGORITHM]|blockpool [ALGORITHM]|publisher [DECODERS [ROUNDS]]|paced|ranks [RESETS [FILL]]|ranks-apart [ALGORITHM]" >&2
      exit 2 ;;
 esac

@@ -277,6 +277,7 @@ def test_the_build_stage_builds_a_wheel_from_the_copied_files(tmp_path: Path) ->
     assert {
         "kvpubd/daemon/service.py",
         "kvpubd/daemon/_kernels/block_ops.cu",
+        "kvpubd/daemon/_kernels/tier_copy.cu",
         "kvpubd/py.typed",
     } <= names
 

@@ -1,0 +1,1 @@
+../kvpubd/daemon/_kernels/tier_copy.cu
