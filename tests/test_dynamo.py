@@ -569,7 +569,9 @@ def leading(hashes: list[BlockHash], held: set[BlockHash]) -> int:
     return next((i for i, h in enumerate(hashes) if h not in held), len(hashes))
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(
+    "seed", [1, *(pytest.param(seed, marks=pytest.mark.slow) for seed in (2, 3))]
+)
 def test_randomised_run(indexer: Indexer, tcp_daemon: Any, seed: int) -> None:
     """Stores of prompts that share prefixes (some with a partial last block, some left open),
     releases and resets of either scope, forced over open requests, on a pool of 8 blocks over
