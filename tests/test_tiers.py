@@ -136,7 +136,9 @@ def test_promoted_blocks_hold_the_bytes_the_engine_wrote(
         written = write_pattern(pool.array, first.block_ids, seed=3)
         client.release("first")
         for start in range(1000, 5000, 1000):  # evict it to the host tier
-            client.store(f"p{start}", prompt(start, 4))
+            reply = client.store(f"p{start}", prompt(start, 4))
+            # Blocks handed out again are zeroed first, after their copy to the host tier.
+            assert not host_copy(pool.array[reply.block_ids]).any()
             client.release(f"p{start}")
         assert client.stats().ranks[0].host_blocks_cached >= 4
         on_host = {bytes(row) for row in np.asarray(host.array)}

@@ -113,6 +113,11 @@ class RankCache:
             except BaseException:
                 self.pool.close()
                 raise
+            if not self.host.copier.synchronous:
+                # A store's reply waits for its copies on the pool's stream, and for the
+                # scrubs enqueued there with them (copy_fence): allocating never waits for a
+                # stream on which demotions run ahead of the scrubs.
+                self.pool.sync_scrubs = False
         # Token ids of each cached block, indexed by block id (kept for snapshots).
         self.tokens = np.zeros((config.num_blocks, config.block_size), dtype=TOKEN_DTYPE)
         self.leases: dict[RequestId, Lease] = {}
@@ -390,13 +395,16 @@ class RankCache:
         return host.backlog
 
     def copy_fence(self) -> Fence | None:
-        """The fence of the tier copies enqueued since the last call, where they run
-        asynchronously (on a GPU): a store's reply waits for it, since the engine reads
-        promoted blocks and writes into blocks a demotion copies out."""
-        if not self._copied or self.host is None:
+        """The fence of the tier copies (and scrubs) enqueued since the last call, where they
+        run asynchronously (on a GPU): a store's reply waits for it, since the engine reads
+        promoted blocks, writes into blocks a demotion copies out, and must find freed blocks
+        zeroed."""
+        if self.host is None or self.host.copier.synchronous:
+            self._copied = False
             return None
+        enqueued = self.pool.take_unsynced() or self._copied
         self._copied = False
-        return None if self.host.copier.synchronous else self.host.copier.fence()
+        return self.host.copier.fence() if enqueued else None
 
     def end_lease(self, request_id: RequestId) -> Lease:
         """Close an open request and free its tail block; its full blocks stay pinned until

@@ -59,6 +59,9 @@ class BlockPool:
     medium = "CPU"
 
     def __init__(self, num_blocks: int, block_bytes: int, scrub_on_free: bool) -> None:
+        # False: the owner waits for enqueued scrubs itself (see take_unsynced), so handing
+        # blocks out never waits for the stream (where tier copies may run ahead of them).
+        self.sync_scrubs = True
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.scrub_on_free = scrub_on_free
@@ -175,6 +178,11 @@ class BlockPool:
     def _scrub_done(self) -> None:
         """Wait until enqueued scrubs have run (before blocks are handed out)."""
 
+    def take_unsynced(self) -> bool:
+        """Whether scrubs were enqueued and not waited for since the last call (only with
+        ``sync_scrubs`` off); the caller waits for them before the blocks leave the daemon."""
+        return False
+
 
 class HostPool(BlockPool):
     """NumPy pool in a POSIX shared memory segment, readable and writable by this user only
@@ -275,10 +283,14 @@ class CudaPool(BlockPool):
 
     def _scrub_done(self) -> None:
         # The engine writes on its own stream: zeroing must be finished, not just enqueued,
-        # before a block id leaves the daemon.
-        if self._unsynced:
+        # before a block id leaves the daemon (here, or by the owner: take_unsynced).
+        if self._unsynced and self.sync_scrubs:
             self.stream.synchronize()
             self._unsynced = False
+
+    def take_unsynced(self) -> bool:
+        unsynced, self._unsynced = self._unsynced, False
+        return unsynced
 
     def checksum_steps(self, block_ids: np.ndarray) -> Iterator[np.ndarray | None]:
         # The same slices as the host pool; each is enqueued with its copy back to pinned
