@@ -17,7 +17,6 @@ done, and must ``close()`` the copier before closing the host tier (the copier u
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import importlib.resources
 from collections import deque
@@ -354,7 +353,8 @@ def _mapped_pointer(runtime: Any, host_ptr: int, device: int) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _driver() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    # By its soname, as the CUDA runtime loads it: find_library would start ldconfig.
+    return ctypes.CDLL("libcuda.so.1")
 
 
 @functools.lru_cache(maxsize=8)

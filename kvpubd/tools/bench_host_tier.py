@@ -27,20 +27,28 @@ from kvpubd.tools.launcher import DaemonProcess
 PROMPT_BLOCKS = PROMPT_TOKENS // 16
 
 
+# Prompts in flight at once: their replies (two each) stay well inside what ZeroMQ queues for
+# one peer (1000 messages each way), which a router drops past.
+WINDOW = 256
+
+
 def _store_prompts(probe: ResetProbe, seeds: range, tag: str) -> tuple[float, int, int]:
     """Store and release one 8k-token prompt per seed, each release right behind its store,
-    pipelined; (seconds, blocks stored, tokens the daemon already held: the promoted ones)."""
+    pipelined WINDOW prompts at a time; (seconds, blocks stored, tokens the daemon already
+    held: the promoted ones)."""
     started = time.perf_counter()
-    stores = []
-    for seed in seeds:
-        tokens = np.random.default_rng(seed).integers(0, 1 << 31, PROMPT_TOKENS, dtype=np.uint32)
-        packed = tokens.astype("<u4").tobytes()
-        stores.append(probe.send("store", request_id=f"{tag}-{seed}", token_ids=packed))
-        probe.send("release", request_id=f"{tag}-{seed}")
     cached = 0
-    for store_id in stores:
-        cached += int(probe.recv_reply(store_id)["num_cached_tokens"])
-    probe.recv_reply()  # the last release: every other one came before it
+    for first in range(0, len(seeds), WINDOW):
+        stores = []
+        for seed in seeds[first : first + WINDOW]:
+            rng = np.random.default_rng(seed)
+            tokens = rng.integers(0, 1 << 31, PROMPT_TOKENS, dtype=np.uint32)
+            packed = tokens.astype("<u4").tobytes()
+            stores.append(probe.send("store", request_id=f"{tag}-{seed}", token_ids=packed))
+            probe.send("release", request_id=f"{tag}-{seed}")
+        for store_id in stores:
+            cached += int(probe.recv_reply(store_id)["num_cached_tokens"])
+        probe.recv_reply()  # the window's last release: every other one came before it
     return time.perf_counter() - started, len(seeds) * PROMPT_BLOCKS, cached
 
 
