@@ -119,19 +119,21 @@ class InProcess:
         raise AssertionError("the subscriber never received a marker")
 
 
-def settings(tmp_path: Path, num_blocks: int, **control: Any) -> Settings:
+def settings(tmp_path: Path, num_blocks: int, host_blocks: int = 0, **control: Any) -> Settings:
     return Settings(
         events={"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
         control={"endpoint": f"ipc://{tmp_path}/ctl", **control},
-        cache={**TINY, "num_blocks": num_blocks},
+        cache={**TINY, "num_blocks": num_blocks, "host_blocks": host_blocks},
         service={"linger_ms": 0},
     )
 
 
 @asynccontextmanager
-async def in_process(tmp_path: Path, num_blocks: int, **control: Any) -> AsyncIterator[InProcess]:
-    """A started service with a subscriber that is live."""
-    service = Service(settings(tmp_path, num_blocks, **control))
+async def in_process(
+    tmp_path: Path, num_blocks: int, host_blocks: int = 0, **control: Any
+) -> AsyncIterator[InProcess]:
+    """A started service with a subscriber that is live (``host_blocks``: its host tier)."""
+    service = Service(settings(tmp_path, num_blocks, host_blocks, **control))
     await service.startup()
     context = zmq.Context()
     sub = context.socket(zmq.SUB)

@@ -284,3 +284,23 @@ def test_ids_encoded_in_slices_are_the_array_msgpack_encodes(count: int) -> None
     assert encoded.encode() == msgpack.packb(ids)
     assert encoded.decode() == ids
     assert ok_reply(7, StoreReply(0, reply_ids(encoded), 16)) == ok_reply(7, StoreReply(0, ids, 16))
+
+
+async def test_with_a_host_tier_a_store_that_demotes_takes_half_a_slice_per_turn(
+    tmp_path: Path,
+) -> None:
+    """Each block a store evicts is also copied to the host tier and published there: about
+    twice the work per block, so half as many blocks per loop turn (a reset behind such a
+    store waits as long as behind one without a host tier). A store of SYNC_BLOCKS blocks,
+    one step without a host tier, takes two."""
+    async with in_process(tmp_path, SYNC_BLOCKS, host_blocks=2 * SYNC_BLOCKS) as daemon:
+        await stored_and_released(daemon, packed_prompt(SYNC_BLOCKS, 1))
+        host = daemon.cache.host
+        assert host is not None
+        reply = pending(
+            daemon.send("store", request_id="r", token_ids=packed_prompt(SYNC_BLOCKS, 2))
+        )
+        demoted = await daemon.per_turn(lambda: len(host), lambda: reply.done)
+        assert (await daemon.answer(reply))["num_cached_tokens"] == 0
+        assert demoted[-1] == SYNC_BLOCKS, demoted
+        assert max(steps(demoted)) <= SLICE_BLOCKS // 2, demoted

@@ -126,6 +126,10 @@ class RankCache:
         self.wire_hash = wire_hasher(hash_format)
         self.hash_algorithm = config.hash_algorithm
         self.generation = 0  # bumped by every clear
+        # Work per stored block, in blocks of a cache without a host tier: a store that evicts
+        # then also copies each evicted block to the host tier and publishes it there (and
+        # the tier's oldest block out), about as much again. Stores are sliced by it.
+        self.block_units = 2 if self.host is not None else 1
         self._copied = False  # tier copies enqueued since the last copy_fence
 
     @property

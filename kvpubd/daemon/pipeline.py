@@ -200,7 +200,7 @@ class RankPipeline:
             or self.cache.copies_async  # its reply waits for its copies, in order
             or self._stores.busy
             or isinstance(tokens, IntArray)
-            or len(tokens) // self.cache.block_size > SYNC_BLOCKS
+            or len(tokens) // self.cache.block_size * self.cache.block_units > SYNC_BLOCKS
         ):
             return self._stores.submit(request, tokens).map(self._store_reply)
         return self._store_reply(self.cache.store(request, tokens))

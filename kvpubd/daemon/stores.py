@@ -237,6 +237,8 @@ class StoreQueue:
         """The store on the cache of ``generation``; _Overtaken once a reset cleared it."""
         cache = self._cache
         plan = cache.begin_store(item.request, _decoded(item), digests, in_slices=True)
+        units = cache.block_units
+        inserted = SLICE_BLOCKS // units  # a slice of inserts is a slice's worth of work
         try:
             while True:
                 await self._spend(min(SLICE_BLOCKS, len(digests) - plan.matched), generation)
@@ -248,8 +250,8 @@ class StoreQueue:
                 await self._spend(count, generation)
                 cache.pin_some(plan, count)
             while len(plan.blocks) < len(digests):
-                count = min(SLICE_BLOCKS, len(digests) - len(plan.blocks))
-                await self._spend(count, generation)
+                count = min(inserted, len(digests) - len(plan.blocks))
+                await self._spend(count * units, generation)
                 cache.insert_some(plan, count)
                 self._on_captured()
         except _Overtaken:
