@@ -73,9 +73,6 @@ class _Failed(Exception):
 class RankBootstrap:
     """One rank's state: its installed mirror and where its bootstrap stands."""
 
-    def new_mirror(self) -> Mirror | None:
-        return Mirror(host_medium=self.host_medium) if self.keep_mirror else None
-
     def __init__(self, rank: int, keep_mirror: bool, host_medium: str | None = None) -> None:
         self.rank = rank
         self.keep_mirror = keep_mirror
@@ -91,6 +88,9 @@ class RankBootstrap:
         self.seen_id: bytes | None = None  # the last live message's publisher_id
         self.buffer: list[LiveMessage] = []
         self.buffered_bytes = 0
+
+    def new_mirror(self) -> Mirror | None:
+        return Mirror(host_medium=self.host_medium) if self.keep_mirror else None
 
     @property
     def synced(self) -> bool:

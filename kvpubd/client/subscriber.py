@@ -15,6 +15,9 @@ With ``snapshot_endpoint`` (a publisher serving the snapshot protocol: a kvpubd 
 gap, a new publisher_id or a silence, bootstraps again. Replay and control play no part then
 (passing them too is refused).
 
+``host_medium`` (a daemon with a host tier: its ``cache.host_medium``, ``"CPU"``) keeps the
+mirror's host tier apart: events naming that medium go to ``Mirror.host_blocks``.
+
 A replay, snapshot or control request that gets no answer raises ``TimeoutError``
 (``SubscriberTimeout`` or ``ControlTimeout``) from the call that needed it; the request is kept
 and retried by the next call, so a caller that waits out a daemon restart just calls again."""
