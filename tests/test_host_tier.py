@@ -16,6 +16,7 @@ import pytest
 
 from kvpubd.client import Mirror
 from kvpubd.daemon.cache import RankCache
+from kvpubd.daemon.kernels import gpu_available
 from kvpubd.daemon.settings import CacheConfig
 from kvpubd.daemon.sink import EventSink
 from kvpubd.protocol.control import Store, int_list
@@ -264,3 +265,40 @@ def test_random_operations_keep_both_readings_exact() -> None:
         assert {"BlockStored:CPU", "BlockRemoved:CPU", "BlockStored:GPU"} <= counts, counts
     finally:
         tiered.close()
+
+
+@pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a GPU")
+def test_a_store_that_only_promotes_waits_for_its_copies_on_the_gpu() -> None:
+    """On a GPU the copies run behind the loop's back: a store whose blocks come back from the
+    host tier, with nothing evicted and nothing to scrub, still hands its reply a fence (it
+    once had none, and was answered before the engine could read the promoted bytes)."""
+    config = CacheConfig(
+        num_blocks=8,
+        block_size=BS,
+        host_blocks=8,
+        device="cuda:0",
+        scrub_on_free=False,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    sink = EventSink(block_size=BS, medium=POOL, max_events_per_tick=1 << 30, host_medium=HOST)
+    cache = RankCache(config, sink, "u64")
+    try:
+        for number, tokens in enumerate([prompt(0, 4), prompt(1000, 8)]):
+            request = Store(request_id=f"r{number}", token_ids=int_list(tokens))
+            cache.store(request, np.asarray(tokens, dtype=TOKEN_DTYPE))
+            cache.unpin(cache.end_lease(f"r{number}").blocks)
+        assert cache.host is not None and len(cache.host) == 4  # prompt 0 on the host
+        cache.clear(every_tier=False)
+        assert cache.copy_fence() is not None  # the demotions': taken, nothing left over
+        again = prompt(0, 4)
+        _, cached = cache.store(
+            Store(request_id="again", token_ids=int_list(again)),
+            np.asarray(again, dtype=TOKEN_DTYPE),
+        )
+        assert cached == 4 * BS
+        fence = cache.copy_fence()
+        assert fence is not None, "the promotion's copies are not waited for"
+    finally:
+        cache.close()

@@ -73,7 +73,6 @@ class StorePlan:
     promoted: list[int] = field(default_factory=list)
     promoting: bool = False
     host_generation: int = 0
-    copied: bool = False  # the store enqueued tier copies (see RankCache.copy_fence)
     pinned: int = 0
     last: int = ROOT  # the block the next inserted run hangs under
     # A store done in slices encodes its reply's ids a slice at a time (see encoded.py).
@@ -296,7 +295,7 @@ class RankCache:
         slots = plan.promoted[first : first + len(block_ids)]
         host.copier.promote(np.asarray(slots, dtype=np.int64), np.asarray(block_ids, np.int64))
         host.let_go(slots, plan.host_generation)
-        plan.copied = True
+        self._copied = True
 
     def _demote(self, evicted: list[int], digests: list[bytes], hashes: list[BlockHash]) -> None:
         """Copy the blocks the pool evicts (``evicted``, leaves first) to the host tier, those
