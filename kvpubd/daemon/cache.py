@@ -323,11 +323,10 @@ class RankCache:
         if not moved:
             return
         index = self.index
-        parents: list[bytes | None] = list(
-            map(index.digest.__getitem__, map(index.parent.__getitem__, moved))
-        )
-        if ROOT in (roots := list(map(index.parent.__getitem__, moved))):
-            for i, parent in enumerate(roots):
+        above = list(map(index.parent.__getitem__, moved))
+        parents: list[bytes | None] = list(map(index.digest.__getitem__, above))
+        if ROOT in above:
+            for i, parent in enumerate(above):
                 if parent == ROOT:
                     parents[i] = None  # a prompt's first block
         keys = list(map(index.keys.__getitem__, moved))
