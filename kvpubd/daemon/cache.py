@@ -401,11 +401,11 @@ class RankCache:
         run asynchronously (on a GPU): a store's reply waits for it, since the engine reads
         promoted blocks, writes into blocks a demotion copies out, and must find freed blocks
         zeroed."""
-        if self.host is None or self.host.copier.synchronous:
-            self._copied = False
-            return None
-        enqueued = self.pool.take_unsynced() or self._copied
+        enqueued = self._copied
         self._copied = False
+        if self.host is None or not self.copies_async:
+            return None
+        enqueued = self.pool.take_unsynced() or enqueued
         return self.host.copier.fence() if enqueued else None
 
     def end_lease(self, request_id: RequestId) -> Lease:
