@@ -208,13 +208,12 @@ def one_error_line(stderr: str) -> str:
     return errors[0]
 
 
-@pytest.mark.process
-def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> None:
-    """Before: the daemon logged `ready` and died of SIGBUS under load. Now: exit 2, one line."""
-    stats = os.statvfs("/dev/shm")
-    geometry = {"num_layers": 64, "num_kv_heads": 8, "head_dim": 128}
-    block_bytes = CacheConfig(**geometry).block_bytes
-    free = stats.f_bavail * stats.f_frsize
+# Blocks of 4 MiB: more than /dev/shm holds takes few of them.
+LARGE_BLOCKS = {"num_layers": 64, "num_kv_heads": 8, "head_dim": 128}
+
+
+def serve_too_large(tmp_path: Path, cache: dict[str, int]) -> subprocess.CompletedProcess[str]:
+    """``serve`` with ``cache`` (blocks of LARGE_BLOCKS) on private ipc endpoints."""
     config = tmp_path / "kvpubd.toml"
     write_config(
         config,
@@ -224,13 +223,22 @@ def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> No
                 "endpoint": f"ipc://{tmp_path}/ev",
                 "replay_endpoint": f"ipc://{tmp_path}/replay",
             },
-            "cache": {
-                "num_blocks": free // block_bytes + 64,
-                **geometry,
-            },
+            "cache": {**cache, **LARGE_BLOCKS},
         },
     )
-    result = serve(config)
+    return serve(config)
+
+
+def blocks_past_dev_shm() -> int:
+    """Blocks of LARGE_BLOCKS that do not fit in what /dev/shm has free."""
+    stats = os.statvfs("/dev/shm")
+    return stats.f_bavail * stats.f_frsize // CacheConfig(**LARGE_BLOCKS).block_bytes + 64
+
+
+@pytest.mark.process
+def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> None:
+    """Before: the daemon logged `ready` and died of SIGBUS under load. Now: exit 2, one line."""
+    result = serve_too_large(tmp_path, {"num_blocks": blocks_past_dev_shm()})
     assert result.returncode == 2, result.stderr
     error = one_error_line(result.stderr)
     assert error.startswith("kvpubd: cannot start: pool (") and "MiB free" in error
@@ -244,26 +252,7 @@ def test_pool_larger_than_dev_shm_exits_2_naming_the_sizes(tmp_path: Path) -> No
 @pytest.mark.process
 def test_host_tier_larger_than_dev_shm_exits_2_naming_it(tmp_path: Path) -> None:
     """The host tier is shared memory whatever the pool's device: refused like a pool."""
-    stats = os.statvfs("/dev/shm")
-    geometry = {"num_layers": 64, "num_kv_heads": 8, "head_dim": 128}
-    block_bytes = CacheConfig(**geometry).block_bytes
-    config = tmp_path / "kvpubd.toml"
-    write_config(
-        config,
-        {
-            "control": {"endpoint": f"ipc://{tmp_path}/control"},
-            "events": {
-                "endpoint": f"ipc://{tmp_path}/ev",
-                "replay_endpoint": f"ipc://{tmp_path}/replay",
-            },
-            "cache": {
-                "num_blocks": 16,
-                "host_blocks": stats.f_bavail * stats.f_frsize // block_bytes + 64,
-                **geometry,
-            },
-        },
-    )
-    result = serve(config)
+    result = serve_too_large(tmp_path, {"num_blocks": 16, "host_blocks": blocks_past_dev_shm()})
     assert result.returncode == 2, result.stderr
     error = one_error_line(result.stderr)
     assert "does not fit in /dev/shm" in error and "host tier(s) of" in error, error
