@@ -519,9 +519,16 @@ def test_host_tier_evictions(indexer: Indexer, tcp_daemon: Any) -> None:
     assert [indexer.matched(p) for p in prompts[:2]] == [(0, 0), (0, 0)]
 
 
-def test_reset_of_every_tier(indexer: Indexer, tcp_daemon: Any) -> None:
-    """After ``reset(tier="all")`` the indexer holds nothing, and still nothing once the host
-    tier's removals that follow the marker are out (they name blocks it already dropped)."""
+@pytest.mark.parametrize("tier", ["all", "gpu"])
+def test_reset_scopes(indexer: Indexer, tcp_daemon: Any, tier: ResetTier) -> None:
+    """Two prompts on the pool, two demoted to the host tier, then a reset.
+
+    ``tier="all"``: the indexer holds nothing, and still nothing once the host tier's
+    removals that follow the marker are out (they name blocks it already dropped).
+
+    ``tier="gpu"``: the indexer, which drops every tier at the marker, holds the host tier's
+    blocks again once the daemon has stored them again: exactly the ones that survived; the
+    demoted prompt matches on the host alone, the pool's prompts not at all."""
     daemon = tcp_daemon(cache=tiered_cache(host_blocks=8))
     indexer.register(daemon)
     watch = tap(daemon)
@@ -532,36 +539,21 @@ def test_reset_of_every_tier(indexer: Indexer, tcp_daemon: Any) -> None:
                 store_released(client, prompt)
             before = exact(indexer, daemon)[0]
             assert (len(before[DEVICE]), len(before[HOST])) == (4, 4)
-            reset_published(client, watch, "all")
-            assert exact(indexer, daemon)[0] == {DEVICE: set(), HOST: set()}
+            reset_published(client, watch, tier)
+            if tier == "all":
+                assert exact(indexer, daemon)[0] == {DEVICE: set(), HOST: set()}
+            else:
+                assert client.stats().ranks[0].host_blocks_cached == 4
             after = fence(client, indexer, daemon)
     finally:
         watch.sub.close()
-    assert (len(after[DEVICE]), after[HOST]) == (1, set())
-    assert [indexer.matched(p) for p in prompts] == [(0, 0)] * 4
-
-
-def test_reset_of_the_pool_alone(indexer: Indexer, tcp_daemon: Any) -> None:
-    """After ``reset(tier="gpu")`` the indexer, which drops every tier at the marker, holds the
-    host tier's blocks again once the daemon has stored them again: exactly the ones that
-    survived; the demoted prompt matches on the host alone, the pool's prompts not at all."""
-    daemon = tcp_daemon(cache=tiered_cache(host_blocks=8))
-    indexer.register(daemon)
-    watch = tap(daemon)
-    prompts = [unique_prompt(2) for _ in range(4)]
-    try:
-        with daemon.client() as client:
-            for prompt in prompts:
-                store_released(client, prompt)
-            before = exact(indexer, daemon)[0]
-            reset_published(client, watch, "gpu")
-            assert client.stats().ranks[0].host_blocks_cached == 4
-            after = fence(client, indexer, daemon)
-    finally:
-        watch.sub.close()
-    assert after[HOST] == before[HOST] and len(after[DEVICE]) == 1
-    wait_matched(indexer, prompts[0], (0, PROMPT))
-    assert [indexer.matched(p) for p in prompts[2:]] == [(0, 0)] * 2
+    if tier == "all":
+        assert (len(after[DEVICE]), after[HOST]) == (1, set())
+        assert [indexer.matched(p) for p in prompts] == [(0, 0)] * 4
+    else:
+        assert after[HOST] == before[HOST] and len(after[DEVICE]) == 1
+        wait_matched(indexer, prompts[0], (0, PROMPT))
+        assert [indexer.matched(p) for p in prompts[2:]] == [(0, 0)] * 2
 
 
 def leading(hashes: list[BlockHash], held: set[BlockHash]) -> int:
