@@ -79,7 +79,7 @@ class Tiered:
     def store(self, tokens: list[int], request_id: str | None = None) -> tuple[list[int], int]:
         self.opened += 1
         request = Store(request_id=request_id or f"r{self.opened}", token_ids=int_list(tokens))
-        ids, cached = self.cache.store(request, np.asarray(tokens, dtype=TOKEN_DTYPE))
+        ids, cached, _ = self.cache.store(request, np.asarray(tokens, dtype=TOKEN_DTYPE))
         assert isinstance(ids, list)  # a store in one step
         return ids, cached
 
@@ -293,7 +293,7 @@ def test_a_store_that_only_promotes_waits_for_its_copies_on_the_gpu() -> None:
         cache.clear(every_tier=False)
         assert cache.copy_fence() is not None  # the demotions': taken, nothing left over
         again = prompt(0, 4)
-        _, cached = cache.store(
+        _, cached, _ = cache.store(
             Store(request_id="again", token_ids=int_list(again)),
             np.asarray(again, dtype=TOKEN_DTYPE),
         )

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpubd.daemon.encoded import EncodedArray
+from kvpubd.daemon.groups import GroupLease, GroupPlan, SecondaryGroup
 from kvpubd.daemon.host_tier import HostTier
-from kvpubd.daemon.pool import create_pool, rank_device
+from kvpubd.daemon.pool import BlockPool, create_pool, rank_device
 from kvpubd.daemon.radix import ROOT, RadixIndex
 from kvpubd.daemon.settings import CacheConfig
 from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
 from kvpubd.daemon.tier_copy import Fence
-from kvpubd.protocol.control import Store
+from kvpubd.protocol.control import GroupBlocks, Store
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
 from kvpubd.protocol.wire import BlockHash, BlockStored
 
@@ -33,18 +34,26 @@ class CacheError(Exception):
 
 @dataclass(slots=True)
 class Lease:
-    """The blocks an open request pins: its full blocks (cached) and its partial tail block."""
+    """The blocks an open request pins: its full blocks (cached) and its partial tail block,
+    in the pool's group, and in each other group of a hybrid cache."""
 
     blocks: list[int]
     tail_block: int | None
+    groups: list[GroupLease] = field(default_factory=list)
 
     @property
     def size(self) -> int:
-        return len(self.blocks) + (self.tail_block is not None)
+        held = len(self.blocks) + (self.tail_block is not None)
+        return held + sum(len(g.blocks) + (g.tail_block is not None) for g in self.groups)
+
+    def parts(self) -> list[tuple[int, list[int]]]:
+        """The pinned blocks to unpin, per group: (0 for the pool's, 1.. the others, ids)."""
+        return [(0, self.blocks)] + [(n, g.blocks) for n, g in enumerate(self.groups, 1)]
 
 
 BlockIds = list[int] | EncodedArray
-StoreResult = tuple[BlockIds, int]  # the reply's block ids, cached tokens
+# The reply's block ids, cached tokens and, on a hybrid cache, every group's blocks.
+StoreResult = tuple[BlockIds, int, list[GroupBlocks] | None]
 
 
 @dataclass(slots=True)
@@ -74,6 +83,12 @@ class StorePlan:
     promoting: bool = False
     host_generation: int = 0
     pinned: int = 0
+    # A hybrid cache's other groups: each one's part, located after the pool's match, and the
+    # prefix every group can serve (what the reply counts as cached).
+    groups: list[GroupPlan] = field(default_factory=list)
+    locating: bool = False
+    located: int = 0
+    hit: int = 0
     last: int = ROOT  # the block the next inserted run hangs under
     # A store done in slices encodes its reply's ids a slice at a time (see encoded.py).
     reply_ids: EncodedArray | None = None
@@ -89,15 +104,28 @@ class RankCache:
         pool_name: str | None = None,
     ) -> None:
         self.block_size = config.block_size
+        self.wire_hash = wire_hasher(hash_format)
+        specs = config.group_specs()
+        primary = specs[config.primary_group]
+        device = rank_device(config, rank)
         self.pool = create_pool(
-            rank_device(config, rank),
-            config.num_blocks,
-            config.block_bytes,
-            config.scrub_on_free,
-            rank,
-            pool_name,
+            device, primary.num_blocks, primary.block_bytes, config.scrub_on_free, rank, pool_name
         )
-        self.index = RadixIndex(config.num_blocks)
+        self.index = RadixIndex(primary.num_blocks)
+        self.groups: list[SecondaryGroup] = []
+        try:
+            for spec in specs:
+                if spec is primary:
+                    continue
+                name = None if pool_name is None else f"{pool_name}-g{spec.idx}"
+                pool = create_pool(
+                    device, spec.num_blocks, spec.block_bytes, config.scrub_on_free, rank, name
+                )
+                group = SecondaryGroup(spec, self.block_size, pool, sink, self.wire_hash)
+                self.groups.append(group)
+        except BaseException:
+            self._close_pools()
+            raise
         self.host: HostTier | None = None
         if config.host_blocks:
             try:
@@ -110,7 +138,7 @@ class RankCache:
                     None if pool_name is None else f"{pool_name}-host",
                 )
             except BaseException:
-                self.pool.close()
+                self._close_pools()
                 raise
             if not self.host.copier.synchronous:
                 # A store's reply waits for its copies on the pool's stream, and for the
@@ -118,11 +146,10 @@ class RankCache:
                 # stream on which demotions run ahead of the scrubs.
                 self.pool.sync_scrubs = False
         # Token ids of each cached block, indexed by block id (kept for snapshots).
-        self.tokens = np.zeros((config.num_blocks, config.block_size), dtype=TOKEN_DTYPE)
+        self.tokens = np.zeros((primary.num_blocks, config.block_size), dtype=TOKEN_DTYPE)
         self.leases: dict[RequestId, Lease] = {}
         self.tail_blocks = 0  # open leases' tail blocks: kept, so stats never walk the leases
         self.sink = sink
-        self.wire_hash = wire_hasher(hash_format)
         self.hash_algorithm = config.hash_algorithm
         self.generation = 0  # bumped by every clear
         # Work per stored block, in blocks of a cache without a host tier: a store that evicts
@@ -149,10 +176,12 @@ class RankCache:
         plan = self.begin_store(request, tokens, digests)
         everything = len(digests)
         while not self.match_some(plan, everything):
-            pass  # the pool's prefix, then the host tier's
+            pass  # the pool's prefix, then the host tier's, then the other groups'
         self.check_room(plan)
         self.pin_some(plan, everything)
         self.insert_some(plan, everything)
+        while not self.group_some(plan, everything):
+            pass
         return self.finish_store(plan)
 
     def begin_store(
@@ -170,11 +199,13 @@ class RankCache:
             len(tokens) % self.block_size != 0,
             self.generation,
             reply_ids=EncodedArray() if in_slices else None,
+            groups=[GroupPlan() for _ in self.groups],
+            locating=bool(self.groups),
         )
 
     def match_some(self, plan: StorePlan, limit: int) -> bool:
         """Match up to ``limit`` more blocks of the cached prefix, then of its continuation on
-        the host tier; True once both are complete."""
+        the host tier, then locate as many in each other group; True once all are done."""
         if plan.matching:
             wanted = plan.digests[plan.matched : plan.matched + limit]
             found = self.index.match(wanted)
@@ -194,7 +225,29 @@ class RankCache:
             self.host.hold(found)
             plan.promoted += found
             plan.promoting = len(found) == len(wanted) and start + len(found) < len(plan.digests)
-        return not plan.matching and not plan.promoting
+        elif plan.locating:
+            wanted = plan.digests[plan.located : plan.located + limit]
+            for group, part in zip(self.groups, plan.groups, strict=True):
+                group.locate_some(part, wanted)
+            plan.located += len(wanted)
+            if plan.located == len(plan.digests):
+                self._settle_hit(plan)
+        return not plan.matching and not plan.promoting and not plan.locating
+
+    def _settle_hit(self, plan: StorePlan) -> None:
+        """The prefix every group can serve, as vLLM's hybrid coordinator finds it: each
+        group's hit capped by the shortest so far, until none is shorter."""
+        hit = plan.matched
+        while True:
+            parts = zip(self.groups, plan.groups, strict=True)
+            shortest = min(group.hit(part.located, hit) for group, part in parts)
+            if shortest == hit:
+                break
+            hit = shortest
+        plan.hit = hit
+        for group, part in zip(self.groups, plan.groups, strict=True):
+            group.prepare(part, hit)
+        plan.locating = False
 
     def abandon(self, plan: StorePlan) -> None:
         """Let go of what a plan that will not finish holds on the host tier (refused, or
@@ -208,13 +261,18 @@ class RankCache:
         """Refuse (changing nothing) a matched plan whose new blocks cannot be had."""
         needed = len(plan.digests) - plan.matched + plan.has_tail
         available = self.pool.free_count + self.index.unpinned - plan.matched_unpinned
-        if needed > available:
-            self.abandon(plan)
-            raise CacheError(
-                "pool_exhausted",
-                f"request needs {needed} blocks but only {available} can be freed: "
-                f"the other {self.pool.num_blocks - available} are pinned by open requests",
-            )
+        pools: list[tuple[BlockPool, int, int, str]] = [(self.pool, needed, available, "")]
+        for group, part in zip(self.groups, plan.groups, strict=True):
+            which = f"group {group.spec.idx}: "
+            pools.append((group.pool, *group.room(part, plan.has_tail), which))
+        for pool, needed, available, which in pools:
+            if needed > available:
+                self.abandon(plan)
+                raise CacheError(
+                    "pool_exhausted",
+                    f"{which}request needs {needed} blocks but only {available} can be freed: "
+                    f"the other {pool.num_blocks - available} are pinned by open requests",
+                )
 
     def pin_some(self, plan: StorePlan, limit: int) -> bool:
         """Pin up to ``limit`` more of the matched blocks, from the root; True once all are."""
@@ -259,20 +317,55 @@ class RankCache:
                 plan.reply_ids.extend(ids)
         return len(plan.blocks) == len(plan.digests)
 
+    def group_some(self, plan: StorePlan, limit: int) -> bool:
+        """Hold up to ``limit`` more blocks in the other groups of a hybrid cache (the
+        reused ones pinned first, group by group); True once every group holds its own."""
+        for group, part in zip(self.groups, plan.groups, strict=True):
+            if limit and part.pinned < len(part.reused):
+                limit -= group.pin_some(part, limit)
+            if limit and part.start + len(part.blocks) < len(part.located):
+                limit -= group.insert_some(part, plan.digests, plan.tokens, plan.keys, limit)
+            if part.pinned < len(part.reused) or part.start + len(part.blocks) < len(part.located):
+                return False
+        return True
+
     def finish_store(self, plan: StorePlan) -> StoreResult:
-        """Allocate the plan's partial tail block and open its lease; returns (block_ids,
-        cached tokens)."""
+        """Allocate the plan's partial tail blocks and open its lease; returns (block_ids,
+        cached tokens, every group's blocks on a hybrid cache)."""
         if plan.has_tail and self.pool.free_count == 0:
             self._evict(1)
         tail = self.pool.allocate(1) if plan.has_tail else []
-        self.leases[plan.request_id] = Lease(plan.blocks, tail[0] if tail else None)
+        group_leases = [
+            GroupLease(part.blocks, group.allocate_tail() if plan.has_tail else None, part.start)
+            for group, part in zip(self.groups, plan.groups, strict=True)
+        ]
+        self.leases[plan.request_id] = Lease(plan.blocks, tail[0] if tail else None, group_leases)
         self.tail_blocks += len(tail)
-        # Promoted blocks are cached too: the engine need not compute them again.
-        cached = (plan.matched + len(plan.promoted)) * self.block_size
+        groups = self._group_blocks(plan.blocks + tail, group_leases) if self.groups else None
+        if self.groups:
+            cached = plan.hit * self.block_size  # the prefix every group serves
+        else:
+            # Promoted blocks are cached too: the engine need not compute them again.
+            cached = (plan.matched + len(plan.promoted)) * self.block_size
         if plan.reply_ids is None:
-            return plan.blocks + tail, cached
+            return plan.blocks + tail, cached, groups
         plan.reply_ids.extend(tail)
-        return plan.reply_ids, cached
+        return plan.reply_ids, cached, groups
+
+    def _group_blocks(self, pool_blocks: list[int], leases: list[GroupLease]) -> list[GroupBlocks]:
+        """Every group's blocks for the reply, in group order."""
+        replies = [
+            GroupBlocks(
+                group.spec.idx or 0,
+                lease.start,
+                lease.blocks + ([] if lease.tail_block is None else [lease.tail_block]),
+            )
+            for group, lease in zip(self.groups, leases, strict=True)
+        ]
+        primary = self.sink.pool_lane.tag
+        assert primary is not None
+        replies.insert(primary.idx, GroupBlocks(primary.idx, 0, pool_blocks))
+        return replies
 
     def _evict(self, count: int) -> None:
         evicted = self.index.evict(count)
@@ -417,10 +510,17 @@ class RankCache:
         if lease.tail_block is not None:
             self.pool.free([lease.tail_block])
             self.tail_blocks -= 1
+        for group, part in zip(self.groups, lease.groups, strict=True):
+            if part.tail_block is not None:
+                group.free_tail(part.tail_block)
         return lease
 
-    def unpin(self, block_ids: list[int]) -> None:
-        self.index.unpin(block_ids)
+    def unpin(self, block_ids: list[int], group: int = 0) -> None:
+        """Unpin blocks of the pool's group (0) or of another group (1.., see Lease.parts)."""
+        if group:
+            self.groups[group - 1].unpin(block_ids)
+        else:
+            self.index.unpin(block_ids)
 
     def clear(self, every_tier: bool = True) -> tuple[object, ...]:
         """Drop every block of the pool (and of the host tier: ``every_tier``) and every open
@@ -430,8 +530,10 @@ class RankCache:
         self.generation += 1  # store plans in progress are stale now
         old_leases, self.leases = self.leases, {}
         self.tail_blocks = 0
-        old_index = self.index.clear()
+        old_index: tuple[object, ...] = self.index.clear()
         self.pool.free_all()
+        for group in self.groups:
+            old_index += group.clear()
         old_host: tuple[object, ...] = ()
         if self.host is not None:
             if every_tier:
@@ -464,6 +566,11 @@ class RankCache:
     def close(self) -> None:
         if self.host is not None:
             self.host.close()
+        self._close_pools()
+
+    def _close_pools(self) -> None:
+        for group in self.groups:
+            group.close()
         self.pool.close()
 
     def block_events(self, block_ids: list[int]) -> list[BlockStored]:

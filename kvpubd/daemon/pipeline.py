@@ -17,6 +17,7 @@ import zmq
 from kvpubd.daemon.cache import CacheError, RankCache, StoreResult
 from kvpubd.daemon.drain import Drain
 from kvpubd.daemon.encoded import reply_ids
+from kvpubd.daemon.groups import pool_group_tag
 from kvpubd.daemon.history import RESTART_OVERLAP, History, seq_origin
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.pending import Pending
@@ -26,11 +27,12 @@ from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.seq_state import SeqState, open_seq_state
 from kvpubd.daemon.settings import Settings
-from kvpubd.daemon.sink import EventSink
+from kvpubd.daemon.sink import EventSink, GroupTag
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
 from kvpubd.protocol.control import (
+    GroupPoolInfo,
     HostTierInfo,
     PoolInfo,
     RankStats,
@@ -125,6 +127,7 @@ class RankPipeline:
             medium=settings.medium,
             max_events_per_tick=events.max_events_per_tick,
             host_medium=settings.cache.host_medium if settings.cache.host_blocks else None,
+            group=pool_group_tag(settings.cache),
         )
         try:
             self.cache = RankCache(
@@ -213,8 +216,8 @@ class RankPipeline:
 
     def _store_reply(self, result: StoreResult) -> StoreReply:
         self._flush_if_full()
-        block_ids, cached = result
-        return StoreReply(self.rank, reply_ids(block_ids), cached)
+        block_ids, cached, groups = result
+        return StoreReply(self.rank, reply_ids(block_ids), cached, groups)
 
     def release(self, request_id: str | int) -> ReleaseReply | Pending[ReleaseReply]:
         """The release's reply; for a store still under way or queued, those to come
@@ -225,10 +228,12 @@ class RankPipeline:
         if self._stores.holds(request_id):
             return self._stores.submit_release(request_id).map(self._release_reply)
         lease = self.cache.end_lease(request_id)
-        if self._stores.busy or len(lease.blocks) > SYNC_BLOCKS:
-            self._stores.submit_unpin(lease.blocks)
+        parts = lease.parts() if lease.groups else [(0, lease.blocks)]
+        if self._stores.busy or sum(len(blocks) for _, blocks in parts) > SYNC_BLOCKS:
+            self._stores.submit_unpin(parts)
         else:
-            self.cache.unpin(lease.blocks)
+            for group, blocks in parts:
+                self.cache.unpin(blocks, group)
         return self._release_reply(lease.size)
 
     def _release_reply(self, released: int) -> ReleaseReply:
@@ -324,16 +329,23 @@ class RankPipeline:
         return self.publisher.last_seq, views
 
     def current_records(self) -> list[PublishedRecord]:
-        """The published records, one per tier: the pool's, then the host tier's."""
+        """The published records: the pool's, then the host tier's, then those of a hybrid
+        cache's other groups."""
         sink = self.sink
-        return (
-            [sink.published] if self.cache.host is None else [sink.published, sink.host_published]
-        )
+        records = [sink.published]
+        if self.cache.host is not None:
+            records.append(sink.host_published)
+        return records + [lane.published for lane in sink.lanes]
 
     def block_events(self, tier: int, block_ids: list[int]) -> list[BlockStored]:
+        """The stores of the blocks of record ``tier`` (see current_records)."""
         if tier == 0:
             return self.cache.block_events(block_ids)
-        return self.cache.host_block_events(block_ids)
+        if self.cache.host is not None:
+            if tier == 1:
+                return self.cache.host_block_events(block_ids)
+            tier -= 1
+        return self.cache.groups[tier - 1].block_events(block_ids, self.sink.medium)
 
     def _removed_block_event(self, tier: int, block_id: int) -> BlockStored:
         """The block's store, kept past its removal: its tokens copied out of the slot."""
@@ -373,6 +385,8 @@ class RankPipeline:
 
     def pool_info(self) -> PoolInfo:
         info = self.cache.pool.info(self.rank)
+        if self.cache.groups:
+            return self._group_pool_info(info)
         host = self.cache.host
         if host is None:
             return info
@@ -380,6 +394,16 @@ class RankPipeline:
         assert shm.name is not None
         tier = HostTierInfo(name=shm.name, shape=shm.shape, dtype=shm.dtype, medium=host.medium)
         return msgspec.structs.replace(info, host=tier)
+
+    def _group_pool_info(self, info: PoolInfo) -> PoolInfo:
+        """The pool info of a hybrid cache: the pool's group's, with every group's pool."""
+        tag = self.sink.pool_lane.tag
+        assert tag is not None
+        pools = [
+            _group_pool(group.pool.info(self.rank), group.lane.tag) for group in self.cache.groups
+        ]
+        pools.insert(tag.idx, _group_pool(info, tag))
+        return msgspec.structs.replace(info, groups=pools)
 
     def stats(self) -> RankStats:
         pool = self.cache.pool
@@ -433,3 +457,20 @@ class RankPipeline:
         if self._seq_state is not None:
             self._seq_state.close()
         self.cache.close()
+
+
+def _group_pool(info: PoolInfo, tag: GroupTag | None) -> GroupPoolInfo:
+    assert tag is not None
+    return GroupPoolInfo(
+        group_idx=tag.idx,
+        kv_cache_spec_kind=tag.kind,
+        sliding_window=tag.sliding_window,
+        kind=info.kind,
+        shape=info.shape,
+        dtype=info.dtype,
+        block_bytes=info.block_bytes,
+        name=info.name,
+        handle=info.handle,
+        device=info.device,
+        offset=info.offset,
+    )

@@ -51,7 +51,7 @@ from kvpubd.daemon.pool import (
 )
 from kvpubd.daemon.reaper import Reaper
 from kvpubd.daemon.seq_state import SeqStateInUse
-from kvpubd.daemon.settings import ConfigError, Settings
+from kvpubd.daemon.settings import CacheConfig, ConfigError, Settings
 from kvpubd.daemon.zmq_loop import new_context
 from kvpubd.protocol.auth import AuthError
 from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
@@ -427,19 +427,26 @@ class Service:
         against /dev/shm (the more precise message), then everything against memory."""
         cache = self.settings.cache
         ranks = len(cache.ranks)
-        host_pool = cache.num_blocks * cache.block_bytes if cache.on_host else 0
+        # A hybrid cache has a pool per group.
+        specs = cache.group_specs()
+        pool_blocks = sum(spec.num_blocks for spec in specs)
+        pool_bytes = sum(spec.num_blocks * spec.block_bytes for spec in specs)
+        host_pool = pool_bytes if cache.on_host else 0
         # The host tier lives in shared memory whatever the pool's device.
         host_tier = cache.host_blocks * cache.block_bytes
         if host_pool or host_tier:
             names = [pool_segment_name(self.settings.control.endpoint, r) for r in cache.ranks]
-            names += [f"{name}-host" for name in names]
+            names += [f"{name}-{part}" for name in names for part in _segment_suffixes(cache)]
             tier = f", and {ranks} host tier(s) of {cache.host_blocks} blocks" if host_tier else ""
+            pools = describe_pools(ranks, cache.num_blocks, cache.block_bytes)
+            if cache.groups:
+                pools = f"{len(specs)} groups' pools ({pool_blocks} blocks per rank)"
             check_shm_space(
                 ranks * (host_pool + host_tier),
-                describe_pools(ranks, cache.num_blocks, cache.block_bytes) + tier,
+                pools + tier,
                 reclaimable=stale_segment_bytes(names),
             )
-        per_rank = cache_bytes(cache.num_blocks, cache.block_size, host_pool)
+        per_rank = cache_bytes(pool_blocks, cache.block_size, host_pool)
         per_rank += cache_bytes(cache.host_blocks, cache.block_size, host_tier)
         check_memory(
             ranks * per_rank,
@@ -533,3 +540,11 @@ def _attempt(what: str, step: Callable[[], Any]) -> Any:
     except Exception:
         log.exception("shutdown: %s failed", what)
         return None
+
+
+def _segment_suffixes(cache: CacheConfig) -> list[str]:
+    """What a rank's other shared memory segments add to its pool's name: the host tier's,
+    and the pools of a hybrid cache's other groups (see RankCache)."""
+    primary = cache.primary_group
+    groups = [f"g{spec.idx}" for n, spec in enumerate(cache.group_specs()) if n != primary]
+    return ["host", *groups] if cache.host_blocks else groups

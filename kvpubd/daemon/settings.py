@@ -9,7 +9,7 @@ import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -134,6 +134,58 @@ class ControlConfig(_Section):
         return self
 
 
+# The KV cache spec kinds (vLLM's KVCacheSpecKind names) a group may have: every block of a
+# full-attention kind is kept for the whole prompt; a sliding-window kind keeps the blocks of
+# its window (and serves a prefix whose last window it holds).
+FULL_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+SLIDING_WINDOW_KINDS = ("sliding_window", "sliding_window_mla")
+GroupKind = Literal[
+    "full_attention", "mla_attention", "sink_full_attention", "sliding_window", "sliding_window_mla"
+]
+
+
+class CacheGroupConfig(_Section):
+    """One KV cache group of a hybrid model: its kind, its layers and its block geometry (each
+    group has a pool of its own; unset sizes are the cache's)."""
+
+    kind: GroupKind = "full_attention"
+    # Tokens a sliding-window kind attends to (vLLM's sliding_window); none for the others.
+    sliding_window: int | None = Field(None, ge=1)
+    # The model's layers in this group (vLLM's layer indices): their count sizes the blocks.
+    layers: list[int] = Field(min_length=1)
+    num_blocks: int | None = Field(None, ge=1, le=1 << 31)
+    num_kv_heads: int | None = Field(None, ge=1)
+    head_dim: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_window(self) -> CacheGroupConfig:
+        windowed = self.kind in SLIDING_WINDOW_KINDS
+        if windowed and self.sliding_window is None:
+            raise ValueError(f"sliding_window: a {self.kind} group needs its window in tokens")
+        if not windowed and self.sliding_window is not None:
+            raise ValueError(f"sliding_window: a {self.kind} group has no window")
+        return self
+
+    @property
+    def windowed(self) -> bool:
+        return self.kind in SLIDING_WINDOW_KINDS
+
+
+class GroupSpec(NamedTuple):
+    """A KV cache group as a rank builds it: ``idx`` is its ``group_idx`` on the wire (None
+    for the one implicit group of a cache without ``groups``, whose events carry no group)."""
+
+    idx: int | None
+    kind: str
+    sliding_window: int | None
+    num_blocks: int
+    block_bytes: int
+
+    @property
+    def windowed(self) -> bool:
+        return self.kind in SLIDING_WINDOW_KINDS
+
+
 class CacheConfig(_Section):
     # Where every rank's pool lives: "cpu" (POSIX shared memory), "cuda:N" (every rank on GPU
     # N) or "cuda" (rank r on GPU r where the machine has a GPU for every rank served, else
@@ -161,6 +213,60 @@ class CacheConfig(_Section):
     host_blocks: int = Field(0, ge=0, le=1 << 31)
     # The medium the host tier's events name (vLLM's offloading connector says "CPU").
     host_medium: str = Field("CPU", min_length=1)
+    # A hybrid model's KV cache groups, in vLLM's group order (their index is the events'
+    # group_idx). Empty: one full-attention group of num_layers layers, whose events carry
+    # no group fields (the wire as before groups existed).
+    groups: list[CacheGroupConfig] = Field(default_factory=list, max_length=64)
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> CacheConfig:
+        if not self.groups:
+            return self
+        if not any(group.kind in FULL_ATTENTION_KINDS for group in self.groups):
+            raise ValueError(
+                "cache.groups: at least one group of a full-attention kind ("
+                + ", ".join(FULL_ATTENTION_KINDS)
+                + ") is needed; its prefix is what the others' windows end on"
+            )
+        seen: set[int] = set()
+        for number, group in enumerate(self.groups):
+            twice = seen.intersection(group.layers)
+            if twice:
+                raise ValueError(
+                    f"cache.groups[{number}].layers: layer {min(twice)} is in two groups"
+                )
+            seen.update(group.layers)
+        if self.host_blocks:
+            raise ValueError(
+                "cache.host_blocks: a host tier serves a cache of one group; with "
+                "cache.groups set, leave it 0"
+            )
+        return self
+
+    def group_specs(self) -> list[GroupSpec]:
+        """Each group's spec, in group order (the implicit one without ``groups``)."""
+        per_layer = 2 * self.block_size * DTYPE_SIZES[self.dtype]
+        if not self.groups:
+            return [GroupSpec(None, "full_attention", None, self.num_blocks, self.block_bytes)]
+        return [
+            GroupSpec(
+                idx,
+                group.kind,
+                group.sliding_window,
+                group.num_blocks or self.num_blocks,
+                per_layer
+                * len(group.layers)
+                * (group.num_kv_heads or self.num_kv_heads)
+                * (group.head_dim or self.head_dim),
+            )
+            for idx, group in enumerate(self.groups)
+        ]
+
+    @property
+    def primary_group(self) -> int:
+        """The position of the group whose index leads a store's match (and whose pool the
+        top-level pool_info, checksums and stats name): the first of a full-attention kind."""
+        return next((i for i, g in enumerate(self.groups) if g.kind in FULL_ATTENTION_KINDS), 0)
 
     @model_validator(mode="after")
     def _check_ranks(self) -> CacheConfig:

@@ -53,6 +53,25 @@ class StoreKeys(NamedTuple):
 PLAIN = StoreKeys.of(None, None, None)
 
 
+class GroupTag(NamedTuple):
+    """What a hybrid cache's events say of their KV cache group, as vLLM publishes it: the
+    group's index on every event, its spec kind and window on stores."""
+
+    idx: int
+    kind: str
+    sliding_window: int | None
+
+
+class GroupLane:
+    """A KV cache group as its events see it: its tag (None for the one implicit group) and
+    the record of its published blocks (by the group's own block ids), in publication order
+    (parents before children)."""
+
+    def __init__(self, tag: GroupTag | None) -> None:
+        self.tag = tag
+        self.published = PublishedRecord()
+
+
 def store_keys(lora_id: int | None, lora_name: str | None, cache_salt: str | None) -> StoreKeys:
     """The record of what one store mixes into its blocks, shared by all of them (one shared
     record for every plain store)."""
@@ -69,8 +88,10 @@ def stored_event(
     block_size: int,
     medium: str,
     keys: StoreKeys,
+    group: GroupTag | None = None,
 ) -> BlockStored:
-    """One BlockStored for a run of consecutive blocks stored together."""
+    """One BlockStored for a run of consecutive blocks stored together (of ``group``, on a
+    hybrid cache: a cache of one implicit group publishes no group fields)."""
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent_hash,
@@ -80,6 +101,9 @@ def stored_event(
         medium=medium,
         lora_name=keys.lora_name,
         extra_keys=keys.extra_keys(len(hashes), parent_hash is None),
+        group_idx=None if group is None else group.idx,
+        kv_cache_spec_kind=None if group is None else group.kind,
+        kv_cache_spec_sliding_window=None if group is None else group.sliding_window,
         cache_salt=keys.cache_salt,
     )
 
@@ -92,8 +116,12 @@ class EventSink:
         medium: str,
         max_events_per_tick: int,
         host_medium: str | None = None,
+        group: GroupTag | None = None,
     ) -> None:
         self.block_size = block_size
+        # The pool's group; a hybrid cache's other groups have lanes of their own (add_lane).
+        self.pool_lane = GroupLane(group)
+        self.lanes: list[GroupLane] = []
         self.medium = medium
         self.host_medium = host_medium or ""
         self.max_events_per_tick = max_events_per_tick
@@ -101,12 +129,15 @@ class EventSink:
         # Blocks the pending events name (stored and removed): what the next batch encodes.
         self.pending_blocks = 0
         self._budget = max_events_per_tick
-        # Published and not yet removed, in publication order (parents before children).
-        self.published = PublishedRecord()
         # The host tier's published blocks, by slot. Its events are never dropped by the
         # per-tick cap (each follows a pool eviction or a reset, which the cap bounds).
         self.host_published = PublishedRecord()
         self.dropped_stored_blocks = 0
+
+    @property
+    def published(self) -> PublishedRecord:
+        """The pool's published blocks, not yet removed."""
+        return self.pool_lane.published
 
     @property
     def pending_count(self) -> int:
@@ -122,11 +153,44 @@ class EventSink:
         token_ids: np.ndarray,
         keys: StoreKeys,
     ) -> None:
-        """Capture a newly stored contiguous run of full blocks.
+        """Capture a newly stored contiguous run of the pool's full blocks (see
+        ``group_stored``)."""
+        self.group_stored(
+            self.pool_lane,
+            parent_block=parent_block,
+            block_ids=block_ids,
+            hashes=hashes,
+            parent_hash=parent_hash,
+            token_ids=token_ids,
+            keys=keys,
+        )
 
-        A run under an unpublished parent is not published at all (its parent's store was
-        dropped); otherwise as many blocks as the tick's budget allows, the rest dropped."""
-        if parent_block is not None and parent_block not in self.published:
+    def removed(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        """Capture the pool's removals; only blocks whose store was published are named."""
+        self.group_removed(self.pool_lane, block_ids, hashes)
+
+    def add_lane(self, tag: GroupTag) -> GroupLane:
+        lane = GroupLane(tag)
+        self.lanes.append(lane)
+        return lane
+
+    def group_stored(
+        self,
+        lane: GroupLane,
+        *,
+        parent_block: int | None,
+        block_ids: list[int],
+        hashes: list[BlockHash],
+        parent_hash: BlockHash | None,
+        token_ids: np.ndarray,
+        keys: StoreKeys,
+    ) -> None:
+        """Capture a newly stored contiguous run of a group's full blocks.
+
+        A run under an unpublished parent (``parent_block``, in the group) is not published at
+        all (its parent's store was dropped); otherwise as many blocks as the tick's budget
+        allows, the rest dropped."""
+        if parent_block is not None and parent_block not in lane.published:
             self.dropped_stored_blocks += len(block_ids)
             return
         count = min(len(block_ids), self._budget)
@@ -135,7 +199,7 @@ class EventSink:
             return
         self._budget -= count
         self.pending_blocks += count
-        self.published.add(block_ids[:count] if count < len(block_ids) else block_ids)
+        lane.published.add(block_ids[:count] if count < len(block_ids) else block_ids)
         self._pending.append(
             stored_event(
                 hashes=hashes[:count],
@@ -145,15 +209,19 @@ class EventSink:
                 block_size=self.block_size,
                 medium=self.medium,
                 keys=keys,
+                group=lane.tag,
             )
         )
 
-    def removed(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
-        """Capture removals; only blocks whose store was published are named."""
-        named = self.published.discard_named(block_ids, hashes)
+    def group_removed(self, lane: GroupLane, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        """Capture a group's removals; only blocks whose store was published are named."""
+        named = lane.published.discard_named(block_ids, hashes)
         if named:
             self.pending_blocks += len(named)
-            self._pending.append(BlockRemoved(block_hashes=named, medium=self.medium))
+            group_idx = None if lane.tag is None else lane.tag.idx
+            self._pending.append(
+                BlockRemoved(block_hashes=named, medium=self.medium, group_idx=group_idx)
+            )
 
     def host_stored(
         self,
@@ -195,9 +263,11 @@ class EventSink:
         Forget what was published (on the host tier too, for ``every_tier``), so a
         repopulated prefix is reported again. Returns the old records, whose deallocation
         (O(blocks)) the caller may defer past the reset reply."""
-        self._pending.append(AllBlocksCleared())
-        old = [self.published]
-        self.published = PublishedRecord()
+        self._pending.append(AllBlocksCleared())  # every group's (vLLM's reset)
+        old = []
+        for lane in (self.pool_lane, *self.lanes):
+            old.append(lane.published)
+            lane.published = PublishedRecord()
         if every_tier:
             old.append(self.host_published)
             self.host_published = PublishedRecord()

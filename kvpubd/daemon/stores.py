@@ -70,12 +70,16 @@ class _Release:
     result: Pending[int] = field(default_factory=Pending)
 
 
+# A released request's pinned blocks, per group (see Lease.parts).
+UnpinParts = list[tuple[int, list[int]]]
+
+
 @dataclass(slots=True)
 class _Unpin:
     """The blocks of a request released already (and answered): unpinned before any later
     store of the rank runs."""
 
-    blocks: list[int]
+    parts: UnpinParts
     generation: int
 
 
@@ -133,10 +137,10 @@ class StoreQueue:
         self._push(item)
         return item.result
 
-    def submit_unpin(self, blocks: list[int]) -> None:
+    def submit_unpin(self, parts: UnpinParts) -> None:
         """Queue the unpinning of a released request's blocks. Never refused: the request is
         closed already, and open requests are bounded."""
-        self._push(_Unpin(blocks, self._cache.generation))
+        self._push(_Unpin(parts, self._cache.generation))
 
     def _check_room(self, tokens: int) -> None:
         if not self._queue:
@@ -177,7 +181,7 @@ class StoreQueue:
                 await self._settle(item.result, self._release(item), item.request_id)
             else:
                 unpinned: Pending[None] = Pending()  # answered already: logs a bug, no more
-                await self._settle(unpinned, self._unpin(item.blocks, item.generation), "")
+                await self._settle(unpinned, self._unpin(item.parts, item.generation), "")
             self._queue.popleft()
 
     async def _settle(
@@ -241,7 +245,9 @@ class StoreQueue:
         inserted = SLICE_BLOCKS // units  # a slice of inserts is a slice's worth of work
         try:
             while True:
-                await self._spend(min(SLICE_BLOCKS, len(digests) - plan.matched), generation)
+                # A hybrid cache's other groups then locate every block, a slice at a time.
+                done = plan.located if plan.locating and not plan.matching else plan.matched
+                await self._spend(min(SLICE_BLOCKS, len(digests) - done), generation)
                 if cache.match_some(plan, SLICE_BLOCKS):
                     break
             cache.check_room(plan)
@@ -253,6 +259,11 @@ class StoreQueue:
                 count = min(inserted, len(digests) - len(plan.blocks))
                 await self._spend(count * units, generation)
                 cache.insert_some(plan, count)
+                self._on_captured()
+            done = not plan.groups
+            while not done:  # a hybrid cache's other groups
+                await self._spend(SLICE_BLOCKS, generation)
+                done = cache.group_some(plan, SLICE_BLOCKS)
                 self._on_captured()
         except _Overtaken:
             cache.abandon(plan)
@@ -271,20 +282,21 @@ class StoreQueue:
     async def _release(self, item: _Release) -> int:
         await self._spend(REQUEST_UNITS)
         lease = self._cache.end_lease(item.request_id)
-        await self._unpin(lease.blocks, self._cache.generation)
+        await self._unpin(lease.parts(), self._cache.generation)
         return lease.size
 
-    async def _unpin(self, blocks: list[int], generation: int) -> None:
-        """Unpin the blocks pinned in the cache of ``generation``, deepest first (so the
-        released chain is evicted tail-first); a reset unpinned them all."""
+    async def _unpin(self, parts: UnpinParts, generation: int) -> None:
+        """Unpin the blocks pinned in the cache of ``generation``, each group's deepest first
+        (so the released chain is evicted tail-first); a reset unpinned them all."""
         cache = self._cache
-        end = len(blocks)
         try:
-            while end and generation == cache.generation:
-                start = max(0, end - SLICE_BLOCKS)
-                await self._spend(end - start, generation)
-                cache.unpin(blocks[start:end])
-                end = start
+            for group, blocks in parts:
+                end = len(blocks)
+                while end and generation == cache.generation:
+                    start = max(0, end - SLICE_BLOCKS)
+                    await self._spend(end - start, generation)
+                    cache.unpin(blocks[start:end], group)
+                    end = start
         except _Overtaken:
             pass
 

@@ -225,10 +225,24 @@ class StatsReply(ControlReply, frozen=True):
     ranks: list[RankStats]
 
 
-class StoreReply(ControlReply, frozen=True):
+class GroupBlocks(msgspec.Struct, frozen=True):
+    """A store's blocks in one KV cache group of a hybrid cache: those of the prompt's blocks
+    ``start``.. (the partial tail included). A sliding-window group skips the blocks before
+    the window of the cached prefix's end (vLLM's null blocks); the others start at 0."""
+
+    group_idx: int
+    start: int
+    block_ids: list[int]
+
+
+class StoreReply(ControlReply, frozen=True, omit_defaults=True):
     rank: int
     block_ids: list[int]  # one per block of the prompt, the partial tail included
-    num_cached_tokens: int  # prompt tokens the cache already held
+    # Prompt tokens the cache already held: on a hybrid cache, the prefix every group holds.
+    num_cached_tokens: int
+    # A hybrid cache's (cache.groups): every group's blocks, in group order. ``block_ids``
+    # are those of the first full-attention group.
+    groups: list[GroupBlocks] | None = None
 
 
 class ReleaseReply(ControlReply, frozen=True):
@@ -280,6 +294,22 @@ class HostTierInfo(msgspec.Struct, frozen=True):
     medium: str
 
 
+class GroupPoolInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One KV cache group's pool, mapped as ``PoolInfo`` says (same fields)."""
+
+    group_idx: int
+    kv_cache_spec_kind: str
+    kind: str
+    shape: tuple[int, int]
+    dtype: str
+    block_bytes: int
+    sliding_window: int | None = None
+    name: str | None = None
+    handle: bytes | None = None
+    device: int | None = None
+    offset: int = 0
+
+
 class PoolInfo(ControlReply, frozen=True, omit_defaults=True):
     """How another process maps a rank's pool: ``kind`` ``"shm"`` (POSIX shared memory
     ``name``) or ``"cuda_ipc"`` (CUDA IPC ``handle`` on GPU ``device``, at ``offset``)."""
@@ -295,6 +325,9 @@ class PoolInfo(ControlReply, frozen=True, omit_defaults=True):
     offset: int = 0
     # The host tier (cache.host_blocks), where it is on.
     host: HostTierInfo | None = None
+    # A hybrid cache's groups (cache.groups), in group order: each group's pool, one of them
+    # the one above (the first full-attention group's).
+    groups: list[GroupPoolInfo] | None = None
 
 
 class ChecksumReply(ControlReply, frozen=True):
