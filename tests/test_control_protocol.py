@@ -44,6 +44,7 @@ REQUEST_FIELDS: dict[str, Any] = {
     "cache_salt": "tenant",
     "force": True,
     "tier": "gpu",
+    "num_computed_tokens": 2 * BLOCK_SIZE + 3,
     "token_ids": int_list(range(2 * BLOCK_SIZE + 3)),
     "block_ids": int_list([0, 1, 2]),
     "requests": [

@@ -250,3 +250,24 @@ def test_configs_that_cannot_be_served_are_refused() -> None:
         )
     with pytest.raises(ValidationError, match="host_blocks"):
         hybrid_config(16, 16, host_blocks=8)
+
+
+def test_computed_tokens_let_a_window_group_go_of_what_fell_out_of_its_window() -> None:
+    hybrid = Hybrid()
+    hybrid.store("a", list(range(8 * BS + 1)))
+    window = hybrid.cache.groups[0]
+    assert window.pinned_blocks == 8
+    # 33 tokens computed: the next token attends to tokens 25.. (a window of 9), which
+    # start in block 6; blocks 0-5 fall out (vLLM's remove_skipped_blocks).
+    parts = hybrid.cache.let_window_go("a", 8 * BS + 1)
+    assert [(group, len(blocks)) for group, blocks in parts] == [(1, 6)]
+    for group, blocks in parts:
+        hybrid.cache.unpin(blocks, group)
+    assert window.pinned_blocks == 2
+    assert hybrid.cache.pinned_blocks == 8 + 1  # the full-attention group keeps all (+ tail)
+    assert hybrid.cache.let_window_go("a", 8 * BS + 1) == []  # let go once
+    hybrid.release("a")
+    assert window.pinned_blocks == 0 and hybrid.cache.pinned_blocks == 0
+    # They stay cached: the prompt's last window still serves it.
+    cached, _ = hybrid.store("b", list(range(8 * BS)))
+    assert cached == 8 * BS

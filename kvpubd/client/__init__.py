@@ -19,6 +19,7 @@ from kvpubd.client.pool import MappedPool, map_host_tier, map_pool
 from kvpubd.client.replies import (
     BatchReply,
     ChecksumReply,
+    ComputedReply,
     ControlError,
     HostTierInfo,
     Marker,
@@ -54,6 +55,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "ChecksumReply",
+    "ComputedReply",
     "ControlClient",
     "ControlError",
     "ControlTimeout",

@@ -18,6 +18,8 @@ from kvpubd.protocol.control import (
     BatchReply,
     Checksum,
     ChecksumReply,
+    Computed,
+    ComputedReply,
     ControlError,
     ControlReply,
     ControlRequest,
@@ -51,6 +53,7 @@ __all__ = [
     "BatchReply",
     "Call",
     "ChecksumReply",
+    "ComputedReply",
     "ControlError",
     "HostTierInfo",
     "Marker",
@@ -163,6 +166,14 @@ def store(
 def release(request_id: RequestId) -> Call[ReleaseReply]:
     """Unpin the blocks of a stored request (they stay cached until evicted)."""
     return Call(Release(request_id=request_id), ReleaseReply)
+
+
+def computed(request_id: RequestId, num_computed_tokens: int) -> Call[ComputedReply]:
+    """Say that ``num_computed_tokens`` of a stored request are computed: on a hybrid cache,
+    its sliding-window groups unpin the blocks now out of their window (they stay cached
+    until evicted); elsewhere nothing changes."""
+    request = Computed(request_id=request_id, num_computed_tokens=num_computed_tokens)
+    return Call(request, ComputedReply)
 
 
 def reset(

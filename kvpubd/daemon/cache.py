@@ -32,6 +32,10 @@ class CacheError(Exception):
         self.message = message
 
 
+# Pinned blocks per group: (0 for the pool's group, 1.. the others', block ids).
+UnpinParts = list[tuple[int, list[int]]]
+
+
 @dataclass(slots=True)
 class Lease:
     """The blocks an open request pins: its full blocks (cached) and its partial tail block,
@@ -46,7 +50,7 @@ class Lease:
         held = len(self.blocks) + (self.tail_block is not None)
         return held + sum(len(g.blocks) + (g.tail_block is not None) for g in self.groups)
 
-    def parts(self) -> list[tuple[int, list[int]]]:
+    def parts(self) -> UnpinParts:
         """The pinned blocks to unpin, per group: (0 for the pool's, 1.. the others, ids)."""
         return [(0, self.blocks)] + [(n, g.blocks) for n, g in enumerate(self.groups, 1)]
 
@@ -514,6 +518,27 @@ class RankCache:
             if part.tail_block is not None:
                 group.free_tail(part.tail_block)
         return lease
+
+    def let_window_go(self, request_id: RequestId, computed_tokens: int) -> UnpinParts:
+        """The blocks of an open request that fell out of its sliding-window groups' windows
+        once ``computed_tokens`` of it are computed (vLLM's ``remove_skipped_blocks``), per
+        group as ``Lease.parts`` numbers them: taken out of its lease, for the caller to
+        unpin. They stay cached until evicted."""
+        lease = self.leases.get(request_id)
+        if lease is None:
+            raise CacheError("unknown_request", f"request {request_id!r} is not open")
+        parts: UnpinParts = []
+        for number, (group, part) in enumerate(zip(self.groups, lease.groups, strict=True), 1):
+            window = group.spec.sliding_window
+            if window is None:
+                continue
+            first_useful = max(0, computed_tokens - window + 1) // self.block_size
+            gone = min(first_useful, part.start + len(part.blocks)) - part.start
+            if gone > 0:
+                parts.append((number, part.blocks[:gone]))
+                part.blocks = part.blocks[gone:]
+                part.start += gone
+        return parts
 
     def unpin(self, block_ids: list[int], group: int = 0) -> None:
         """Unpin blocks of the pool's group (0) or of another group (1.., see Lease.parts)."""

@@ -35,6 +35,8 @@ from kvpubd.protocol.control import (
     BatchReply,
     Checksum,
     ChecksumReply,
+    Computed,
+    ComputedReply,
     ControlReply,
     ControlRequest,
     Marker,
@@ -255,6 +257,13 @@ class Operations:
         for pipeline in self.pipelines:
             if pipeline.has_request(request.request_id):
                 return pipeline.release(request.request_id)
+        raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
+
+    @handles(Computed)
+    def computed(self, request: Computed, owner: Owner | None) -> ComputedReply:
+        for pipeline in self.pipelines:
+            if pipeline.has_request(request.request_id):
+                return pipeline.computed(request.request_id, request.num_computed_tokens)
         raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
 
     def _release_orphan(self, request_id: RequestId) -> None:

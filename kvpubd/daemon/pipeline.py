@@ -32,6 +32,7 @@ from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
 from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
 from kvpubd.protocol.control import (
+    ComputedReply,
     GroupPoolInfo,
     HostTierInfo,
     PoolInfo,
@@ -235,6 +236,22 @@ class RankPipeline:
             for group, blocks in parts:
                 self.cache.unpin(blocks, group)
         return self._release_reply(lease.size)
+
+    def computed(self, request_id: str | int, computed_tokens: int) -> ComputedReply:
+        """Let go of what fell out of the request's sliding windows (see RankCache)."""
+        if self._stores.holds(request_id):
+            raise CacheError(
+                "busy",
+                f"request {request_id!r} is still being stored; send computed after its reply",
+            )
+        parts = self.cache.let_window_go(request_id, computed_tokens)
+        released = sum(len(blocks) for _, blocks in parts)
+        if self._stores.busy or released > SYNC_BLOCKS:
+            self._stores.submit_unpin(parts)
+        else:
+            for group, blocks in parts:
+                self.cache.unpin(blocks, group)
+        return ComputedReply(self.rank, released)
 
     def _release_reply(self, released: int) -> ReleaseReply:
         return ReleaseReply(self.rank, released)

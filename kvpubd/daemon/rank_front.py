@@ -36,6 +36,7 @@ from kvpubd.protocol.control import (
     Batch,
     BatchReply,
     Checksum,
+    Computed,
     ControlReply,
     Marker,
     Pause,
@@ -174,6 +175,7 @@ class RankFront:
             Resume: self._pause,
             Store: self._store,
             Release: self._release,
+            Computed: self._computed,
             Reset: self._reset,
             Snapshot: self._forward_to_rank,
             PoolInfoRequest: self._forward_to_rank,
@@ -275,6 +277,12 @@ class RankFront:
     def _release(self, request: Release, owner: Owner | None, frame: bytes) -> Reply:
         rank = self._close_request(request.request_id)
         return self._answer(request, self._forward(self._link(rank), frame))
+
+    def _computed(self, request: Computed, owner: Owner | None, frame: bytes) -> Reply:
+        entry = self._open.get(request.request_id)
+        if entry is None:
+            raise CacheError("unknown_request", f"request {request.request_id!r} is not open")
+        return self._answer(request, self._forward(self._link(entry.rank), frame))
 
     def _open_store(self, request_id: RequestId, rank: int, owner: Owner | None) -> _OpenRequest:
         """The open request a store to ``rank`` makes (CacheError: a duplicate, the rank's

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpubd.daemon.cache import CacheError, RankCache, RequestId, StoreResult
+from kvpubd.daemon.cache import CacheError, RankCache, RequestId, StoreResult, UnpinParts
 from kvpubd.daemon.decoding import decode_tokens_in_slices
 from kvpubd.daemon.pending import Pending
 from kvpubd.protocol.control import Store
@@ -68,10 +68,6 @@ class _Release:
 
     request_id: RequestId
     result: Pending[int] = field(default_factory=Pending)
-
-
-# A released request's pinned blocks, per group (see Lease.parts).
-UnpinParts = list[tuple[int, list[int]]]
 
 
 @dataclass(slots=True)

@@ -76,6 +76,15 @@ class Release(ControlRequest, tag="release", frozen=True, kw_only=True):
     request_id: RequestId
 
 
+class Computed(ControlRequest, tag="computed", frozen=True, kw_only=True):
+    """The engine has computed this many tokens of an open request: a hybrid cache's
+    sliding-window groups let go of the blocks that fell out of the window (vLLM's
+    ``remove_skipped_blocks``); they stay cached until evicted."""
+
+    request_id: RequestId
+    num_computed_tokens: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
 # What a reset clears: "all" (the pool and the host tier) or "gpu" (the pool alone; the host
 # tier keeps its blocks and announces them again after the marker).
 ResetTier = Literal["all", "gpu"]
@@ -126,6 +135,7 @@ Request = (
     Ping
     | Stats
     | Store
+    | Computed
     | Release
     | Reset
     | Pause
@@ -250,6 +260,11 @@ class ReleaseReply(ControlReply, frozen=True):
     released: int  # blocks unpinned
 
 
+class ComputedReply(ControlReply, frozen=True):
+    rank: int
+    released: int  # blocks unpinned (those of sliding-window groups past their window)
+
+
 class Marker(msgspec.Struct, frozen=True):
     """Where a rank's reset marker (``AllBlocksCleared``) went out: the batch ``seq`` (None
     when the daemon holds markers back, ``events.flush_on_reset = false``)."""
@@ -341,6 +356,7 @@ REPLY_TYPES: dict[type[ControlRequest], type[ControlReply]] = {
     Stats: StatsReply,
     Store: StoreReply,
     Release: ReleaseReply,
+    Computed: ComputedReply,
     Reset: ResetReply,
     Pause: PauseReply,
     Resume: PauseReply,
