@@ -279,6 +279,14 @@ class _StateCollector(Collector):
             ("host_blocks_held", "Host tier blocks a store under way will copy back."),
         ):
             yield _per_rank(GaugeMetricFamily, key, help_text, ranks)
+        for key, help_text in (
+            ("blocks_capacity", "Blocks in the group's pool (hybrid caches)."),
+            ("blocks_free", "Blocks free for allocation in the group's pool."),
+            ("blocks_cached", "Blocks in the group's index."),
+            ("blocks_pinned", "The group's blocks pinned by open requests."),
+            ("blocks_published", "The group's blocks whose BlockStored is published, not removed."),
+        ):
+            yield _per_group(key, help_text, ranks)
 
         requests = CounterMetricFamily(
             "kvpubd_control_requests",
@@ -301,6 +309,14 @@ class _StateCollector(Collector):
             "Connections to this endpoint closed at once: max connections were open.",
             value=metrics.connections_refused,
         )
+
+
+def _per_group(key: str, help_text: str, ranks: list[RankStats]) -> Metric:
+    metric = GaugeMetricFamily(f"kvpubd_group_{key}", help_text, labels=["rank", "group"])
+    for stats in ranks:
+        for group in stats.groups:
+            metric.add_metric([str(stats.rank), str(group.group_idx)], getattr(group, key))
+    return metric
 
 
 def _per_rank(

@@ -34,6 +34,7 @@ from kvpubd.daemon.transports import Transport, TransportSetup, create_transport
 from kvpubd.protocol.control import (
     ComputedReply,
     GroupPoolInfo,
+    GroupStats,
     HostTierInfo,
     PoolInfo,
     RankStats,
@@ -451,7 +452,39 @@ class RankPipeline:
             snapshots_unavailable=transport.snapshots_unavailable,
             events_by_type=self._metrics.event_counts(self.rank),
             **self._host_stats(),
+            groups=self._group_stats(),
         )
+
+    def _group_stats(self) -> list[GroupStats]:
+        cache, sink = self.cache, self.sink
+        tag = sink.pool_lane.tag
+        if tag is None:
+            return []
+        # Every group of a store with a partial block holds a tail block.
+        stats = [
+            GroupStats(
+                group_idx=group.lane.tag.idx,
+                kv_cache_spec_kind=group.spec.kind,
+                blocks_capacity=group.pool.num_blocks,
+                blocks_free=group.pool.free_count,
+                blocks_cached=len(group.index),
+                blocks_pinned=group.pinned_blocks + cache.tail_blocks,
+                blocks_published=len(group.lane.published),
+            )
+            for group in cache.groups
+            if group.lane.tag is not None
+        ]
+        own = GroupStats(
+            group_idx=tag.idx,
+            kv_cache_spec_kind=tag.kind,
+            blocks_capacity=cache.pool.num_blocks,
+            blocks_free=cache.pool.free_count,
+            blocks_cached=len(cache.index),
+            blocks_pinned=cache.pinned_blocks,
+            blocks_published=len(sink.published),
+        )
+        stats.insert(tag.idx, own)
+        return stats
 
     def _host_stats(self) -> dict[str, int]:
         host = self.cache.host

@@ -189,6 +189,19 @@ class PingReply(ControlReply, frozen=True):
     endpoints: list[RankEndpoints]
 
 
+class GroupStats(msgspec.Struct, frozen=True):
+    """One KV cache group's pool and index (the tail blocks of open requests count as
+    pinned)."""
+
+    group_idx: int
+    kv_cache_spec_kind: str
+    blocks_capacity: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_pinned: int
+    blocks_published: int
+
+
 class RankStats(msgspec.Struct, frozen=True):
     """One rank's counters, as ``kvpubd stats`` prints them (in this order)."""
 
@@ -227,6 +240,9 @@ class RankStats(msgspec.Struct, frozen=True):
     host_blocks_capacity: int = 0
     host_blocks_cached: int = 0
     host_blocks_held: int = 0
+    # A hybrid cache's groups (cache.groups), in group order; the blocks_* above are the
+    # first full-attention group's. Empty for a cache of one group.
+    groups: list[GroupStats] = msgspec.field(default_factory=list)
 
 
 class StatsReply(ControlReply, frozen=True):
