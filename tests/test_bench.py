@@ -334,3 +334,17 @@ def test_bench_host_tier_fills_both_tiers_promotes_and_keeps_the_host_tier_on_re
     assert result["host_blocks_cached"] == result["host_blocks_after"] == 4096
     assert result["promoted_fraction"] == 1.0  # every block of those prompts came back
     assert result["reset"]["n"] == 3 and result["reset"]["p50_us"] > 0
+
+
+def test_bench_groups_publishes_both_groups_and_times_resets_of_each_layout() -> None:
+    result = bench(
+        "groups",
+        *("--requests", "60", "--num-blocks", "65536", "--window-tokens", "64"),
+        *("--fill-blocks", "1024", "--resets", "3"),
+    )
+    one, two = result["one_group"], result["two_groups"]
+    assert one["gaps"] == two["gaps"] == 0
+    # No eviction (60 prompts of at most 512 blocks): every block is stored in both groups.
+    assert two["blocks"] == 2 * one["blocks"]
+    for layout in (one, two):
+        assert layout["reset"]["1024"]["n"] == 3 and layout["reset"]["0"]["p50_us"] > 0

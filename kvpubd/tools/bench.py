@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from kvpubd.tools.bench_blockpool import bench_blockpool
+from kvpubd.tools.bench_groups import bench_groups
 from kvpubd.tools.bench_host_tier import bench_host_tier
 from kvpubd.tools.bench_index import bench_index
 from kvpubd.tools.bench_kernels_command import bench_kernels
@@ -33,3 +34,4 @@ bench_app.command("blockpool")(bench_blockpool)
 bench_app.command("snapshot")(bench_snapshot)
 bench_app.command("soak")(bench_soak)
 bench_app.command("host-tier")(bench_host_tier)
+bench_app.command("groups")(bench_groups)

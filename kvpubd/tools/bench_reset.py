@@ -27,11 +27,14 @@ def measure_resets(
     progress: Progress,
     device: str = "cpu",
     idle_ms: float = 20.0,
+    cache: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Reset -> marker on an idle daemon holding each of ``sizes`` blocks (``cache``: more
+    cache settings)."""
     results: dict[str, Any] = {}
     biggest = max([*sizes, 1024])
     overrides: dict[str, dict[str, Any]] = {
-        "cache": {**TINY_BLOCKS, "num_blocks": biggest + 1024, "device": device},
+        "cache": {**TINY_BLOCKS, "num_blocks": biggest + 1024, "device": device, **(cache or {})},
         "events": {"flush_on_reset": flush, "buffer_steps": 1000},
         "service": {"log_level": "warning"},
     }

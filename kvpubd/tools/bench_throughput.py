@@ -43,12 +43,14 @@ def measure_throughput(
     rank_processes: RankProcessesMode = "auto",
     senders: Senders = "per-rank",
     batch: int = 1,
+    cache: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Store+release requests round-robin over ``ranks``, served by one daemon (its ranks in
     worker processes or not, as ``rank_processes`` says), or with ``daemon_per_rank`` by one
     single-rank daemon each (``cache.data_parallel_start_rank``); ``window`` requests in
     flight per rank either way, sent by one process per rank or (``senders`` "one") all from
-    this one; ``batch`` > 1: that many stores per ``batch`` message (per-rank senders)."""
+    this one; ``batch`` > 1: that many stores per ``batch`` message (per-rank senders);
+    ``cache``: more cache settings (e.g. ``groups``)."""
     if batch > 1 and senders != "per-rank":
         raise ValueError("--batch needs --senders per-rank")
     from kvpubd.protocol.endpoints import rank_endpoint
@@ -71,6 +73,7 @@ def measure_throughput(
                     "num_blocks": num_blocks,
                     "hash_algorithm": hash_algorithm,
                     **layout,
+                    **(cache or {}),
                 },
                 "events": {"buffer_steps": 1000},
                 "service": {"log_level": "warning", "rank_processes": rank_processes},
