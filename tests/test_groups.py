@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from kvpubd.daemon.cache import CacheError, RankCache
 from kvpubd.daemon.groups import pool_group_tag
+from kvpubd.daemon.kernels import gpu_available
 from kvpubd.daemon.settings import CacheConfig
 from kvpubd.daemon.sink import EventSink
 from kvpubd.protocol.control import GroupBlocks, Store, int_list
@@ -271,3 +272,24 @@ def test_computed_tokens_let_a_window_group_go_of_what_fell_out_of_its_window() 
     # They stay cached: the prompt's last window still serves it.
     cached, _ = hybrid.store("b", list(range(8 * BS)))
     assert cached == 8 * BS
+
+
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU and CuPy")
+def test_every_group_has_a_pool_of_its_own_geometry_on_the_gpu() -> None:
+    config = hybrid_config(64, 32, device="cuda:0")
+    sink = EventSink(
+        block_size=BS, medium="GPU", max_events_per_tick=1 << 30, group=pool_group_tag(config)
+    )
+    cache = RankCache(config, sink, "u64")
+    try:
+        specs = config.group_specs()
+        window = cache.groups[0]
+        assert (cache.pool.num_blocks, cache.pool.block_bytes) == (64, specs[0].block_bytes)
+        assert (window.pool.num_blocks, window.pool.block_bytes) == (32, specs[1].block_bytes)
+        assert window.pool.info(0).kind == "cuda_ipc"
+        request = Store(request_id="a", token_ids=int_list(range(8 * BS + 1)))
+        _, cached, groups = cache.store(request, np.arange(8 * BS + 1, dtype=TOKEN_DTYPE))
+        assert cached == 0 and groups is not None
+        assert [len(g.block_ids) for g in groups] == [9, 9]
+    finally:
+        cache.close()
