@@ -292,11 +292,12 @@ class RankPipeline:
             self._scrub = asyncio.create_task(self._scrub_slices(), name="kvpubd scrub")
 
     async def _scrub_slices(self) -> None:
-        pool = self.cache.pool
-        while True:
-            await asyncio.sleep(0)
-            if pool.scrub_some(SCRUB_SLICE_BYTES):
-                return
+        # Every group's pool, one after the other (one slice per loop turn in all).
+        for pool in [self.cache.pool, *(group.pool for group in self.cache.groups)]:
+            while True:
+                await asyncio.sleep(0)
+                if pool.scrub_some(SCRUB_SLICE_BYTES):
+                    break
 
     def snapshot(self) -> SnapshotJob:
         """The job building the published blocks (one-block stores, parents first) at the
