@@ -172,6 +172,15 @@ def test_a_store_publishes_every_group_with_its_kind_and_window() -> None:
     hashes = hybrid.chain(tokens)
     assert stores[0].block_hashes == stores[1].block_hashes == hashes  # one chain, two groups
     assert [(g.group_idx, g.start, len(g.block_ids)) for g in groups] == [(0, 0, 7), (1, 0, 7)]
+    # A snapshot repeats the group fields of every group's blocks.
+    snapshot = hybrid.cache.block_events(groups[0].block_ids[:6])
+    snapshot += hybrid.cache.groups[0].block_events(groups[1].block_ids[:6], "GPU")
+    assert {
+        (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in snapshot
+    } == {
+        (0, "full_attention", None),
+        (1, "sliding_window", WINDOW),
+    }
 
 
 def test_a_window_group_holds_only_the_window_of_a_cached_prefix() -> None:

@@ -605,6 +605,7 @@ class RankCache:
         medium = self.sink.medium
         index = self.index
         digest, parent_of, keys_of, tokens = index.digest, index.parent, index.keys, self.tokens
+        group = self.sink.pool_lane.tag
         parents = [parent_of[b] for b in block_ids]
         hashes = self.wire_hash([digest[b] for b in block_ids])
         parent_hashes = self.wire_hash([digest[p] for p in parents if p != ROOT])[::-1]
@@ -619,6 +620,7 @@ class RankCache:
                     block_size=size,
                     medium=medium,
                     keys=keys_of[block_id],
+                    group=group,
                 )
             )
         return events
