@@ -11,6 +11,7 @@ what the store's reply says was cached."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -100,9 +101,28 @@ def hybrid_config(num_blocks: int, window_blocks: int, **extra: object) -> Cache
     )
 
 
+# Three groups, the window first: the pool's group (the first full-attention one) is group 1,
+# and the MLA group is a second tree index with a pool of its own size.
+THREE_GROUPS = [
+    {"kind": "sliding_window", "sliding_window": WINDOW, "layers": [0], "num_blocks": 20},
+    {"kind": "full_attention", "layers": [1]},
+    {"kind": "mla_attention", "layers": [2], "num_blocks": 30, "head_dim": 4},
+]
+# And a second window, longer and in a smaller pool: each window caps the other's prefix (the
+# common prefix takes more than one pass to find).
+FOUR_GROUPS = [
+    *THREE_GROUPS,
+    {"kind": "sliding_window_mla", "sliding_window": 17, "layers": [3], "num_blocks": 16},
+]
+
+
 class Hybrid:
-    def __init__(self, num_blocks: int = 64, window_blocks: int = 64) -> None:
+    def __init__(
+        self, num_blocks: int = 64, window_blocks: int = 64, groups: list[Any] | None = None
+    ) -> None:
         config = hybrid_config(num_blocks, window_blocks)
+        if groups is not None:
+            config = config.model_copy(update={"groups": CacheConfig(groups=groups).groups})
         self.sink = EventSink(
             block_size=BS, medium="GPU", max_events_per_tick=1 << 30, group=pool_group_tag(config)
         )
@@ -141,7 +161,9 @@ class Hybrid:
     def held(self, position: int) -> dict[int, set[BlockHash]]:
         """What the cache's indexes hold, per group (0: the pool's)."""
         cache = self.cache
-        held = {0: {self.chain_of(cache.index.digest[b]) for b in _cached(cache.index)}}
+        primary = self.sink.pool_lane.tag
+        assert primary is not None
+        held = {primary.idx: {self.chain_of(cache.index.digest[b]) for b in _cached(cache.index)}}
         for group in cache.groups:
             assert group.spec.idx is not None
             held[group.spec.idx] = {
@@ -214,10 +236,13 @@ def test_the_prefix_is_what_the_window_group_still_serves() -> None:
     assert hybrid.reader.blocks == hybrid.held(0)
 
 
+@pytest.mark.parametrize("layout", ["two", "three", "four"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_random_stores_releases_and_resets_keep_every_group_exact(seed: int) -> None:
+def test_random_stores_releases_and_resets_keep_every_group_exact(seed: int, layout: str) -> None:
     rng = random.Random(seed)
-    hybrid = Hybrid(num_blocks=48, window_blocks=20)
+    groups = {"three": THREE_GROUPS, "four": FOUR_GROUPS}.get(layout)
+    hybrid = Hybrid(num_blocks=48, window_blocks=20, groups=groups)
+    window_group = 1 if layout == "two" else 0
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(1, 6) * BS)] for _ in range(4)]
     open_requests: list[str] = []
     for step in range(300):
@@ -232,7 +257,7 @@ def test_random_stores_releases_and_resets_keep_every_group_exact(seed: int) -> 
                 hybrid.drain()
                 continue
             assert cached == expected * BS, step
-            assert groups[1].start == max(0, expected - WINDOW_BLOCKS)
+            assert groups[window_group].start == max(0, expected - WINDOW_BLOCKS)
             open_requests.append(f"r{step}")
         elif action < 0.95 and open_requests:
             hybrid.release(open_requests.pop(rng.randrange(len(open_requests))))
@@ -302,3 +327,28 @@ def test_every_group_has_a_pool_of_its_own_geometry_on_the_gpu() -> None:
         assert [len(g.block_ids) for g in groups] == [9, 9]
     finally:
         cache.close()
+
+
+def test_the_common_prefix_is_found_when_each_window_caps_the_other() -> None:
+    # Windows of 2 and 4 blocks over a 10-block prompt the full-attention group holds whole:
+    # the short window holds blocks 0-5 and 8-9 (it serves 10), the long one 0-7 (it serves
+    # 8). At 8 the short window lacks blocks 6-7 and serves only 6, where the long one holds
+    # 2-5: the prefix is 6, which one pass over the groups (8) would miss.
+    hybrid = Hybrid(
+        groups=[
+            {"kind": "full_attention", "layers": [0]},
+            {"kind": "sliding_window", "sliding_window": 9, "layers": [1]},
+            {"kind": "sliding_window", "sliding_window": 17, "layers": [2]},
+        ]
+    )
+    tokens = np.arange(10 * BS, dtype=TOKEN_DTYPE)
+    request = Store(request_id="a", token_ids=int_list(tokens.tolist()))
+    plan = hybrid.cache.begin_store(request, tokens, [bytes([i]) * 16 for i in range(10)])
+    plan.matched = 10
+    short, long = plan.groups
+    short.located = [i if i < 6 or i >= 8 else None for i in range(10)]
+    long.located = [i if i < 8 else None for i in range(10)]
+    plan.located = 10
+    hybrid.cache._settle_hit(plan)
+    assert plan.hit == 6
+    assert (short.start, long.start) == (4, 2)

@@ -244,7 +244,7 @@ class RankCache:
         hit = plan.matched
         while True:
             parts = zip(self.groups, plan.groups, strict=True)
-            shortest = min(group.hit(part.located, hit) for group, part in parts)
+            shortest = min(group.hit(part, hit) for group, part in parts)
             if shortest == hit:
                 break
             hit = shortest

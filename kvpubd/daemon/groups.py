@@ -47,7 +47,10 @@ class GroupPlan:
     reused ones pinned, then its lease's blocks filled in position order."""
 
     located: list[int | None] = field(default_factory=list)  # by position, None: not cached
-    missed: bool = False  # a tree index missed: nothing after the miss is cached
+    # A tree index's cached prefix, in blocks, and whether a miss ended it (nothing after a
+    # miss is cached there).
+    prefix: int = 0
+    missed: bool = False
     start: int = 0  # the first position the store holds (a window group skips the rest)
     reused: list[int] = field(default_factory=list)  # cached blocks held, pinned first
     pinned: int = 0
@@ -99,16 +102,15 @@ class SecondaryGroup:
         else:
             found: list[int | None] = list(index.match(digests))
             plan.missed = len(found) < len(digests)
+            plan.prefix += len(found)
             plan.located += found + [None] * (len(digests) - len(found))
 
-    def hit(self, located: list[int | None], limit: int) -> int:
+    def hit(self, plan: GroupPlan, limit: int) -> int:
         """The longest prefix of at most ``limit`` blocks this group can serve."""
-        limit = min(limit, len(located))
         if not self.windowed:
-            for position in range(limit):
-                if located[position] is None:
-                    return position
-            return limit
+            return min(limit, plan.prefix)
+        located = plan.located
+        limit = min(limit, len(located))
         needed = self.window_blocks
         run = 0
         for position in range(limit - 1, -1, -1):  # from the end: vLLM's search
