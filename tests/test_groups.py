@@ -240,8 +240,8 @@ def test_the_prefix_is_what_the_window_group_still_serves() -> None:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_stores_releases_and_resets_keep_every_group_exact(seed: int, layout: str) -> None:
     rng = random.Random(seed)
-    groups = {"three": THREE_GROUPS, "four": FOUR_GROUPS}.get(layout)
-    hybrid = Hybrid(num_blocks=48, window_blocks=20, groups=groups)
+    layouts = {"three": THREE_GROUPS, "four": FOUR_GROUPS}
+    hybrid = Hybrid(num_blocks=48, window_blocks=20, groups=layouts.get(layout))
     window_group = 1 if layout == "two" else 0
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(1, 6) * BS)] for _ in range(4)]
     open_requests: list[str] = []
