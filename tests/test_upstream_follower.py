@@ -232,3 +232,37 @@ async def test_a_batch_that_does_not_decode_is_counted_and_skipped(engine: Engin
     assert after_junk.seq == junk_seq + 1
     assert after_junk.condition & Condition.LOST and after_junk.missing_before == 1
     assert collector.follower.counters.malformed == 1
+
+
+async def test_a_flood_is_bounded_by_the_high_water_marks_and_repaired(
+    flavour: str, tmp_path: Path
+) -> None:
+    """The engine publishes 1000 batches of 2000 tokens while nothing takes them from the
+    follower: the engine's PUB and the follower's SUB socket each hold 10 (their high-water
+    marks), ZeroMQ drops the rest, and the follower takes them back from replay, in order."""
+    engine = Engine(flavour, tmp_path, hwm=10, block_size=2000).start()
+    try:
+        follower_ = EngineFollower(
+            engine.endpoint,
+            engine.replay_endpoint,
+            flavour="sglang" if flavour == "sglang" else "vllm",
+            rcvhwm=10,
+            idle_check=0.2,  # the flood's tail is dropped: nothing later would reveal it
+        )
+        collector = Collector(follower_)
+        key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+        collector.stop_taking()
+        for _ in range(1000):
+            engine.publish(key)
+            key += 1
+        engine.wait_sent(key - 1)
+        collector.take()
+        await collector.until(lambda: len(collector.batches) == key, "every batch")
+        await collector.stop()
+    finally:
+        engine.shutdown()
+    assert seqs(collector.batches) == list(range(key))
+    assert [b.events for b in collector.batches] == [[engine.expected(k)] for k in range(key)]
+    counters = follower_.counters
+    assert counters.replayed > 500  # most were dropped on the way, none is missing
+    assert counters.lost == 0

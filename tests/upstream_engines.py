@@ -50,8 +50,17 @@ class Engine:
     BlockStored whose hash and tokens are derived from ``key`` (``expected(key)``: its
     canonical form)."""
 
-    def __init__(self, flavour: str, directory: Path, buffer_steps: int = 1000) -> None:
+    def __init__(
+        self,
+        flavour: str,
+        directory: Path,
+        buffer_steps: int = 1000,
+        hwm: int = 100_000,
+        block_size: int = 2,
+    ) -> None:
         self.flavour = flavour
+        self.hwm = hwm
+        self.block_size = block_size
         self.kv = engine_module(flavour)
         self.endpoint = f"ipc://{directory}/{flavour}-pub"
         self.replay_endpoint = f"ipc://{directory}/{flavour}-replay"
@@ -66,6 +75,7 @@ class Engine:
             endpoint=self.endpoint,
             replay_endpoint=self.replay_endpoint,
             buffer_steps=self.buffer_steps,
+            hwm=self.hwm,
         )
         self.published = 0
         return self
@@ -79,14 +89,17 @@ class Engine:
         # SGLang's hashes are signed 64-bit: its stream carries negative ones.
         return -(key + 1) if self.flavour == "sglang" else key * 7 + 1
 
+    def tokens(self, key: int) -> list[int]:
+        return [key % 50_000, *range(7, 6 + self.block_size)]
+
     def publish(self, key: int) -> None:
-        tokens = [key % 50_000, 7]
+        tokens = self.tokens(key)
         if self.flavour == "vllm":
             event = self.kv.BlockStored(
                 block_hashes=[self.block_hash(key)],
                 parent_block_hash=None,
                 token_ids=tokens,
-                block_size=2,
+                block_size=self.block_size,
                 lora_id=None,
                 medium="GPU",
                 lora_name=None,
@@ -98,7 +111,7 @@ class Engine:
                 block_hashes=[self.block_hash(key)],
                 parent_block_hash=None,
                 token_ids=tokens,
-                block_size=2,
+                block_size=self.block_size,
                 lora_id=None,
                 cache_salt="salt",
                 session_id="dropped",
@@ -117,8 +130,8 @@ class Engine:
         return wire.BlockStored(
             block_hashes=[self.block_hash(key)],
             parent_block_hash=None,
-            token_ids=[key % 50_000, 7],
-            block_size=2,
+            token_ids=self.tokens(key),
+            block_size=self.block_size,
             lora_id=None,
             medium="GPU",
             lora_name=None,
@@ -208,12 +221,25 @@ class Relay:
 
 
 class Collector:
-    """Runs ``follower`` on a task, keeping every batch it gives out."""
+    """Runs ``follower`` on a task, keeping every batch it gives out; between
+    ``stop_taking()`` and ``take()`` it takes none (the follower waits on it)."""
 
     def __init__(self, follower: EngineFollower) -> None:
         self.follower = follower
         self.batches: list[FollowedBatch] = []
-        self._task = asyncio.create_task(follower.run(self.batches.append))
+        self._taking = asyncio.Event()
+        self._taking.set()
+        self._task = asyncio.create_task(follower.run(self._keep))
+
+    async def _keep(self, batch: FollowedBatch) -> None:
+        await self._taking.wait()
+        self.batches.append(batch)
+
+    def stop_taking(self) -> None:
+        self._taking.clear()
+
+    def take(self) -> None:
+        self._taking.set()
 
     async def until(self, condition: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
         deadline = time.monotonic() + within

@@ -16,6 +16,10 @@ canonical events, each with the ``Condition`` met just before it:
 - a payload that does not decode is counted (``counters.malformed``) and skipped (``LOST`` on
   the next batch: its events are missing).
 
+With ``idle_check`` (seconds), a SUB socket silent that long asks replay for anything after
+the last batch taken: the tail of a burst that ZeroMQ dropped is revealed by no later batch.
+Live batches that such a catch-up gave out already are then skipped (``counters.duplicates``).
+
 The first batch expected is ``start_seq`` (0: the engine's whole history; a follower that joins
 late repairs the start through replay, or reports it lost).
 
@@ -72,6 +76,7 @@ class FollowerCounters:
     restarts: int = 0
     malformed: int = 0  # messages or payloads that did not decode (skipped)
     replays_cut_short: int = 0  # replay answers that fell silent or ran too long
+    duplicates: int = 0  # live batches a catch-up (idle_check) had given out already
 
 
 OnBatch = Callable[[FollowedBatch], Awaitable[None] | None]
@@ -92,6 +97,7 @@ class EngineFollower:
         topic: str = "",
         start_seq: int = 0,
         rcvhwm: int = 10_000,
+        idle_check: float | None = None,
         replay_timeout: float = 2.0,
         max_replay_batches: int = 20_000,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
@@ -130,6 +136,9 @@ class EngineFollower:
         self._pending = Condition.NONE  # for the next batch given out
         self._missing = 0
         self._closed = False
+        self._idle_ms = int(idle_check * 1000) if idle_check and self._replay else None
+        # Live seqs a catch-up gave out already: (after, through]; None: no catch-up pending.
+        self._caught_up: tuple[int, int] | None = None
 
     @property
     def last_seq(self) -> int | None:
@@ -168,12 +177,15 @@ class EngineFollower:
 
     async def _follow(self) -> AsyncIterator[FollowedBatch]:
         while True:
-            ready = dict(await self._poller.poll())
+            ready = dict(await self._poller.poll(self._idle_ms))
             # The monitor first: a disconnection is reported before anything the socket
             # receives from the engine it reconnects to.
             while await self._monitor.poll(0):
                 await self._monitor.recv_multipart()
                 self._disconnected = True
+            if not ready:
+                async for batch in self._catch_up():
+                    yield batch
             if self._sub not in ready:
                 continue
             frames = await self._sub.recv_multipart()
@@ -188,7 +200,20 @@ class EngineFollower:
     def _next_seq(self) -> int:
         return self._last + 1 if self._last >= 0 else self._first_seq
 
+    async def _catch_up(self) -> AsyncIterator[FollowedBatch]:
+        after = self._last
+        async for batch in self._fill(None):
+            yield batch
+        if self._last > after:
+            self._caught_up = (after, self._last)
+
     async def _take(self, seq: int, payload: bytes) -> AsyncIterator[FollowedBatch]:
+        if self._caught_up is not None:
+            after, through = self._caught_up
+            if after < seq <= through:
+                self.counters.duplicates += 1
+                return
+            self._caught_up = None
         if self._last >= 0 and seq <= self._last:
             self._restarted()
         if seq > self._next_seq():
@@ -204,11 +229,12 @@ class EngineFollower:
         if taken is not None:
             yield taken
 
-    async def _fill(self, stop: int) -> AsyncIterator[FollowedBatch]:
-        """Give out the batches from the next expected seq up to ``stop`` (excluded) that
-        replay returns; lose the rest."""
+    async def _fill(self, stop: int | None) -> AsyncIterator[FollowedBatch]:
+        """Give out the batches from the next expected seq up to ``stop`` (excluded; None: all
+        there are) that replay returns; lose the rest."""
         if self._replay is None:
-            self._lose(stop - self._next_seq())
+            if stop is not None:
+                self._lose(stop - self._next_seq())
             return
         verify = self._last_payload is not None
         ask = self._last if verify else self._next_seq()
@@ -217,7 +243,7 @@ class EngineFollower:
             if verify and seq == ask:
                 restarted = payload != self._last_payload
                 continue
-            if restarted or not self._next_seq() <= seq < stop:
+            if restarted or seq < self._next_seq() or (stop is not None and seq >= stop):
                 continue  # read to the end all the same: the socket serves the next request
             if seq > self._next_seq():
                 self._lose(seq - self._next_seq())
@@ -234,7 +260,7 @@ class EngineFollower:
             async for batch in self._fill(stop):
                 yield batch
             return
-        if self._next_seq() < stop:
+        if stop is not None and self._next_seq() < stop:
             self._lose(stop - self._next_seq())
 
     def _accept(self, seq: int, payload: bytes, condition: Condition) -> FollowedBatch | None:
