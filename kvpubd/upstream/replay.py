@@ -15,8 +15,17 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvpubd.client.subscriber import parse_replay_message
-from kvpubd.protocol.wire import pack_seq
+from kvpubd.protocol.wire import END_SEQ, pack_seq, unpack_seq
+
+
+def parse_replay_message(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one answer message, None for the end marker; ValueError for anything
+    else. Both framings: ``[b"", topic, seq, payload]`` and the older ``[b"", seq, payload]``."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise ValueError(f"a replay message has 3 or 4 frames, not {len(frames)}")
+    if frames[-2] == END_SEQ:
+        return None
+    return unpack_seq(frames[-2]), frames[-1]
 
 
 @dataclass
