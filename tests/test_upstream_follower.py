@@ -266,3 +266,37 @@ async def test_a_flood_is_bounded_by_the_high_water_marks_and_repaired(
     counters = follower_.counters
     assert counters.replayed > 500  # most were dropped on the way, none is missing
     assert counters.lost == 0
+
+
+async def test_a_restart_during_a_silence_is_found_by_the_idle_check(
+    engine: Engine, relay: Relay
+) -> None:
+    """No batch of the restarted engine reaches the follower live: the idle check's replay of
+    the last batch taken comes back different, and the new engine's history is given out."""
+    collector = Collector(
+        EngineFollower(
+            relay.endpoint,
+            engine.replay_endpoint,
+            flavour="sglang" if engine.flavour == "sglang" else "vllm",
+            idle_check=0.05,
+            replay_timeout=0.5,  # the first engine's replay socket is gone for a while
+        )
+    )
+    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+    before = key
+    await collector.until(lambda: len(collector.batches) == before, "the first engine's")
+    relay.drop = lambda seq: True
+    engine.shutdown()
+    engine.start()
+    for k in range(RESTARTED_KEYS, RESTARTED_KEYS + before + 2):
+        engine.publish(k)
+    await collector.until(lambda: len(collector.batches) == before + engine.published, "all")
+    await collector.stop()
+    after = collector.batches[before:]
+    assert seqs(after) == list(range(engine.published))
+    assert [b.events for b in after] == [
+        [engine.expected(k)] for k in range(RESTARTED_KEYS, RESTARTED_KEYS + before + 2)
+    ]
+    assert after[0].condition == Condition.REPLAYED | Condition.RESTART
+    assert all(b.condition == Condition.REPLAYED for b in after[1:])
+    assert collector.follower.counters.restarts == 1

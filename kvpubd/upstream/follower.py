@@ -201,9 +201,11 @@ class EngineFollower:
         return self._last + 1 if self._last >= 0 else self._first_seq
 
     async def _catch_up(self) -> AsyncIterator[FollowedBatch]:
-        after = self._last
+        after, restarts = self._last, self.counters.restarts
         async for batch in self._fill(None):
             yield batch
+        if self.counters.restarts != restarts:
+            after = -1  # the new engine's history was given out from its seq 0
         if self._last > after:
             self._caught_up = (after, self._last)
 
