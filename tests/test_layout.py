@@ -19,6 +19,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvpubd"
 FORBIDDEN = {
     "client": ("kvpubd.daemon", "kvpubd.tools", "kvpubd.cli"),
     "daemon": ("kvpubd.client", "kvpubd.tools", "kvpubd.cli"),
+    # Following an engine is the daemon's to run: upstream/ keeps out what the daemon may not
+    # import.
+    "upstream": ("kvpubd.client", "kvpubd.daemon", "kvpubd.tools", "kvpubd.cli"),
     "protocol": (
         "kvpubd.client",
         "kvpubd.daemon",

@@ -1,0 +1,228 @@
+"""One engine's KV-event payload, decoded into kvpubd's canonical events (``kvpubd.protocol.wire``).
+
+Every flavour publishes the batch ``[ts, events, rank]`` (``[ts, events]`` from the first SGLang
+releases; a 4th element, vLLM's publisher id, is ignored). The events differ:
+
+- ``vllm``: tagged maps (>= 0.24) or tagged arrays in declaration order (<= 0.23; releases
+  before ``medium`` and ``lora_name`` existed send shorter arrays). Fields kvpubd does not carry
+  (``locality``, ``session_id``, ...) are dropped; ``group_idx`` and the cache-spec fields kept.
+- ``sglang``: tagged maps (0.5.23) or, from older releases, tagged arrays
+  ``[tag, hashes, parent, tokens, block_size, lora_id, medium?, metadata?]``. ``medium`` and
+  ``lora_name`` are omitted while unset; hashes are signed 64-bit. A bigram (EAGLE) page sends
+  its tokens as pairs ``(t[i], t[i+1])``: each pair stands for its first token.
+- ``trtllm``: TensorRT-LLM's streaming publisher, tagged maps only; hashes are ints; it never
+  sends ``AllBlocksCleared``. A token id that is a string is refused (the canonical form has
+  integer token ids only).
+
+An unset ``medium`` becomes ``default_medium``; ``medium_aliases`` renames media (SGLang's
+host tier is ``"CPU_PINNED"`` where vLLM's is ``"CPU"``). Anything else raises
+``UpstreamPayloadError``: the caller counts the payload and skips it. The work is bounded by the
+payload's size (``max_payload_bytes``) and msgspec's nesting limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, cast
+
+import msgspec
+
+from kvpubd.protocol import wire
+
+Flavour = Literal["vllm", "sglang", "trtllm"]
+FLAVOURS: tuple[Flavour, ...] = ("vllm", "sglang", "trtllm")
+DEFAULT_MAX_PAYLOAD_BYTES = 64 << 20
+
+MAX_TOKEN_ID = (1 << 32) - 1
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+# SGLang's bigram pages: (token, next token) per position. Plain ints: msgspec 0.23 misreads a
+# constrained int in a union with a tuple (and can crash), so their range is checked here.
+TokenOrPair = int | tuple[int, int]
+BlockSize = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class UpstreamPayloadError(ValueError):
+    """A payload that is not a batch of the flavour's events (the caller counts and skips it)."""
+
+
+@dataclass(frozen=True)
+class UpstreamBatch:
+    ts: float
+    events: list[wire.Event]
+    rank: int | None
+
+
+def _event_types(hashes: Any, token: Any) -> Any:
+    """The union of the three event types as a flavour sends them: every field kvpubd keeps,
+    by name, all but the essential ones optional (engines omit unset fields)."""
+    optional = [
+        ("lora_id", int | None, None),
+        ("medium", str | None, None),
+        ("lora_name", str | None, None),
+        ("extra_keys", list[tuple[Any, ...] | None] | None, None),
+        ("group_idx", int | None, None),
+        ("kv_cache_spec_kind", str | None, None),
+        ("kv_cache_spec_sliding_window", int | None, None),
+        ("cache_salt", str | None, None),
+    ]
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [
+            ("block_hashes", list[hashes]),
+            ("parent_block_hash", hashes | None),
+            ("token_ids", list[token]),
+            ("block_size", BlockSize),
+            *optional,
+        ],
+        kw_only=True,
+        tag="BlockStored",
+        gc=False,
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved",
+        [
+            ("block_hashes", list[hashes]),
+            ("medium", str | None, None),
+            ("group_idx", int | None, None),
+        ],
+        kw_only=True,
+        tag="BlockRemoved",
+        gc=False,
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], tag="AllBlocksCleared", gc=False)
+    return stored | removed | cleared
+
+
+# Field order of the array forms, after the tag (the fields each flavour declared, in order).
+_VLLM_ARRAYS = {
+    "BlockStored": [f.name for f in msgspec.structs.fields(wire.BlockStored)][
+        : len(wire.BlockStored.__struct_fields__) - len(wire.BlockStored.MAP_ONLY)
+    ],
+    "BlockRemoved": ["block_hashes", "medium", "group_idx"],
+    "AllBlocksCleared": [],
+}
+_SGLANG_ARRAYS = {
+    "BlockStored": [
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "metadata",
+    ],
+    "BlockRemoved": ["block_hashes", "medium"],
+    "AllBlocksCleared": [],
+}
+
+
+@dataclass(frozen=True)
+class _Spec:
+    strict: Any  # the event union of the common case (integer tokens): the fast path
+    lenient: Any  # what the flavour may also send (SGLang's token pairs)
+    arrays: Mapping[str, list[str]] | None  # None: no array form
+
+
+_INT = _event_types(int, TokenId)
+_SPECS: dict[Flavour, _Spec] = {
+    "vllm": _Spec(_event_types(int | bytes, TokenId), None, _VLLM_ARRAYS),
+    "sglang": _Spec(_INT, _event_types(int, TokenOrPair), _SGLANG_ARRAYS),
+    "trtllm": _Spec(_INT, None, None),
+}
+
+
+def _envelope(events: Any) -> type[msgspec.Struct]:
+    return msgspec.defstruct(
+        "Envelope",
+        [("ts", float), ("events", events), ("rank", int | None, None)],
+        array_like=True,
+        gc=False,
+    )
+
+
+class FlavourDecoder:
+    """Decodes one flavour's payloads into ``UpstreamBatch`` es of canonical events."""
+
+    def __init__(
+        self,
+        flavour: Flavour,
+        *,
+        default_medium: str | None = "GPU",
+        medium_aliases: Mapping[str, str] | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        if flavour not in _SPECS:
+            raise ValueError(f"unknown engine flavour {flavour!r} (one of {', '.join(FLAVOURS)})")
+        self.flavour = flavour
+        self.default_medium = default_medium
+        self.medium_aliases = dict(medium_aliases or {})
+        self.max_payload_bytes = max_payload_bytes
+        self._spec = _SPECS[flavour]
+        strict: Any = self._spec.strict
+        self._fast = msgspec.msgpack.Decoder(_envelope(list[strict]))
+        self._raw = msgspec.msgpack.Decoder(_envelope(list[Any]))
+
+    def decode(self, payload: bytes) -> UpstreamBatch:
+        if len(payload) > self.max_payload_bytes:
+            raise UpstreamPayloadError(
+                f"payload of {len(payload)} bytes is over the {self.max_payload_bytes} allowed"
+            )
+        try:
+            try:
+                batch: Any = self._fast.decode(payload)
+            except msgspec.ValidationError:
+                batch = self._raw.decode(payload)
+                batch.events = [self._event(obj) for obj in batch.events]
+            return UpstreamBatch(batch.ts, [self._canonical(e) for e in batch.events], batch.rank)
+        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+            raise UpstreamPayloadError(f"not a {self.flavour} KV-event batch: {exc}") from None
+
+    def _event(self, obj: Any) -> Any:
+        """One event the fast path refused: an array form, or the flavour's lenient types."""
+        if isinstance(obj, list) and obj and isinstance(obj[0], str):
+            arrays = self._spec.arrays
+            if arrays is None or obj[0] not in arrays:
+                raise msgspec.ValidationError(f"{self.flavour} sends no array event {obj[0]!r}")
+            names = arrays[obj[0]]
+            fields = dict(zip(names, obj[1:], strict=False))  # newer trailing ones ignored
+            metadata = fields.pop("metadata", None)  # SGLang's BlockStoredWithMetadata
+            if isinstance(metadata, dict) and "cache_salt" in metadata:
+                fields["cache_salt"] = metadata["cache_salt"]
+            fields["type"] = obj[0]
+            obj = fields
+        event = msgspec.convert(obj, self._spec.lenient or self._spec.strict)
+        tokens = getattr(event, "token_ids", None)
+        if tokens and self._spec.lenient is not None:
+            # SGLang's bigram pages: each position's pair starts with that position's token.
+            every = [i for t in tokens for i in (t if type(t) is tuple else (t,))]
+            if not 0 <= min(every) <= max(every) <= MAX_TOKEN_ID:
+                raise msgspec.ValidationError(f"token ids must lie in 0..{MAX_TOKEN_ID}")
+            event.token_ids = [t[0] if type(t) is tuple else t for t in tokens]
+        return event
+
+    def _medium(self, medium: str | None) -> str | None:
+        medium = self.default_medium if medium is None else medium
+        return self.medium_aliases.get(medium, medium) if medium is not None else None
+
+    def _canonical(self, event: Any) -> wire.Event:
+        name = type(event).__name__
+        if name == "AllBlocksCleared":
+            return wire.AllBlocksCleared()
+        medium = self._medium(event.medium)
+        if name == "BlockRemoved":
+            return wire.BlockRemoved(event.block_hashes, medium, event.group_idx)
+        return wire.BlockStored(
+            block_hashes=cast(list[wire.BlockHash], event.block_hashes),
+            parent_block_hash=event.parent_block_hash,
+            token_ids=event.token_ids,
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=medium,
+            lora_name=event.lora_name,
+            extra_keys=event.extra_keys,
+            group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            cache_salt=event.cache_salt,
+        )

@@ -1,0 +1,299 @@
+"""Follows one rank of an unmodified engine's KV-event publisher (asyncio).
+
+A SUB socket takes the engine's live batches ``[topic, seq, payload]``; a DEALER asks its replay
+ROUTER for what the SUB socket missed. Batches come out in seq order, decoded into kvpubd's
+canonical events, each with the ``Condition`` met just before it:
+
+- a forward gap (seq past the next expected) is asked of replay, and the batches it returns are
+  given out in order (``REPLAYED``); what replay cannot return is given up (``LOST`` on the next
+  batch given out). The request starts at the last batch taken, not the one after: its payload
+  must come back unchanged, else the engine restarted meanwhile and its seqs passed ours.
+- a seq at or below the last one taken means the engine restarted (its seqs start again at 0):
+  ``RESTART``, and the new engine's history is taken from seq 0, through replay where needed.
+  After the SUB socket lost its connection (a socket monitor says so), the next batch is
+  checked the same way even when its seq follows on: a restarted engine whose new seqs reached
+  exactly ours would otherwise pass for the old one.
+- a payload that does not decode is counted (``counters.malformed``) and skipped (``LOST`` on
+  the next batch: its events are missing).
+
+With ``idle_check`` (seconds), a SUB socket silent that long asks replay for anything after
+the last batch taken: the tail of a burst that ZeroMQ dropped is revealed by no later batch.
+Live batches that such a catch-up gave out already are then skipped (``counters.duplicates``).
+
+The first batch expected is ``start_seq`` (0: the engine's whole history; a follower that joins
+late repairs the start through replay, or reports it lost).
+
+Memory is bounded without a queue of our own: batches are read only as fast as the consumer
+takes them, so a flooding engine fills the SUB socket's receive high-water mark (``rcvhwm``)
+and ZeroMQ drops the rest, which come back as gaps (repaired or counted as lost). A replay
+answer is bounded the same way (``max_replay_batches``) and every message by
+``max_payload_bytes`` (ZeroMQ disconnects a peer that sends more).
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvpubd.protocol.wire import Event, split_live
+from kvpubd.upstream.flavours import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    Flavour,
+    FlavourDecoder,
+    UpstreamPayloadError,
+)
+from kvpubd.upstream.replay import ReplayClient
+
+
+class Condition(enum.Flag):
+    NONE = 0
+    REPLAYED = enum.auto()  # this batch came from the replay socket (it filled a gap)
+    LOST = enum.auto()  # batches before this one are missing for good (lost, or undecodable)
+    RESTART = enum.auto()  # the engine restarted before this batch: all before it is void
+
+
+@dataclass(frozen=True)
+class FollowedBatch:
+    seq: int
+    ts: float
+    events: list[Event]
+    rank: int | None  # as the engine stamped the batch
+    condition: Condition
+    missing_before: int  # batches right before this one whose events are missing (LOST)
+
+
+@dataclass
+class FollowerCounters:
+    live: int = 0  # batches given out as the SUB socket received them
+    replayed: int = 0  # batches given out from replay answers
+    gaps: int = 0  # forward gaps met
+    lost: int = 0  # batches given up: neither received nor replayed
+    restarts: int = 0
+    malformed: int = 0  # messages or payloads that did not decode (skipped)
+    replays_cut_short: int = 0  # replay answers that fell silent or ran too long
+    duplicates: int = 0  # live batches a catch-up (idle_check) had given out already
+
+
+OnBatch = Callable[[FollowedBatch], Awaitable[None] | None]
+
+
+class EngineFollower:
+    """Follows the engine rank whose PUB socket is at ``endpoint`` (and replay ROUTER at
+    ``replay_endpoint``; without one every gap is lost). Iterate with ``async for`` or hand
+    each batch to a callback with ``run``."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        flavour: Flavour = "vllm",
+        decoder: FlavourDecoder | None = None,
+        topic: str = "",
+        start_seq: int = 0,
+        rcvhwm: int = 10_000,
+        idle_check: float | None = None,
+        replay_timeout: float = 2.0,
+        max_replay_batches: int = 20_000,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.decoder = decoder or FlavourDecoder(flavour, max_payload_bytes=max_payload_bytes)
+        self.counters = FollowerCounters()
+        self._own_context = context is None
+        self._context = context or zmq.asyncio.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, max_payload_bytes)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint)
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self._sub, zmq.POLLIN)
+        self._disconnected = False  # since the last batch taken: check the next one
+        self._replay = (
+            ReplayClient(
+                self._context,
+                replay_endpoint,
+                topic=topic.encode(),
+                timeout=replay_timeout,
+                max_batches=max_replay_batches,
+                max_message_bytes=max_payload_bytes,
+            )
+            if replay_endpoint
+            else None
+        )
+        self._first_seq = start_seq  # expected while nothing is taken (0 after a restart)
+        self._last = -1  # the last seq taken
+        self._last_payload: bytes | None = None  # its payload (None: lost, or none yet)
+        self._pending = Condition.NONE  # for the next batch given out
+        self._missing = 0
+        self._closed = False
+        self._idle_ms = int(idle_check * 1000) if idle_check and self._replay else None
+        # Live seqs a catch-up gave out already: (after, through]; None: no catch-up pending.
+        self._caught_up: tuple[int, int] | None = None
+
+    @property
+    def last_seq(self) -> int | None:
+        return self._last if self._last >= 0 else None
+
+    def __aiter__(self) -> AsyncIterator[FollowedBatch]:
+        return self._follow()
+
+    async def run(self, on_batch: OnBatch) -> None:
+        """Hand every batch to ``on_batch`` (awaited if it is a coroutine), until cancelled."""
+        async for batch in self:
+            result = on_batch(batch)
+            if inspect.isawaitable(result):
+                await result
+
+    def close(self) -> None:
+        """Close the sockets (cancel whatever iterates first)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close()
+        if self._own_context:
+            self._context.term()
+
+    async def __aenter__(self) -> EngineFollower:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the sequencing -----------------------------------------------------------------
+
+    async def _follow(self) -> AsyncIterator[FollowedBatch]:
+        while True:
+            ready = dict(await self._poller.poll(self._idle_ms))
+            # The monitor first: a disconnection is reported before anything the socket
+            # receives from the engine it reconnects to.
+            while await self._monitor.poll(0):
+                await self._monitor.recv_multipart()
+                self._disconnected = True
+            if not ready:
+                async for batch in self._catch_up():
+                    yield batch
+            if self._sub not in ready:
+                continue
+            frames = await self._sub.recv_multipart()
+            try:
+                seq, payload = split_live(frames)
+            except ValueError:
+                self.counters.malformed += 1  # no seq: nothing to repair by, nothing lost
+                continue
+            async for batch in self._take(seq, payload):
+                yield batch
+
+    def _next_seq(self) -> int:
+        return self._last + 1 if self._last >= 0 else self._first_seq
+
+    async def _catch_up(self) -> AsyncIterator[FollowedBatch]:
+        after, restarts = self._last, self.counters.restarts
+        async for batch in self._fill(None):
+            yield batch
+        if self.counters.restarts != restarts:
+            after = -1  # the new engine's history was given out from its seq 0
+        if self._last > after:
+            self._caught_up = (after, self._last)
+
+    async def _take(self, seq: int, payload: bytes) -> AsyncIterator[FollowedBatch]:
+        if self._caught_up is not None:
+            after, through = self._caught_up
+            if after < seq <= through:
+                self.counters.duplicates += 1
+                return
+            self._caught_up = None
+        if self._last >= 0 and seq <= self._last:
+            self._restarted()
+        if seq > self._next_seq():
+            self.counters.gaps += 1
+            async for batch in self._fill(seq):
+                yield batch
+        elif self._disconnected and self._last_payload is not None and self._replay is not None:
+            # Asks replay for our last batch only: a restart is found as in a gap's repair.
+            async for batch in self._fill(seq):
+                yield batch
+        self._disconnected = False
+        taken = self._accept(seq, payload, Condition.NONE)
+        if taken is not None:
+            yield taken
+
+    async def _fill(self, stop: int | None) -> AsyncIterator[FollowedBatch]:
+        """Give out the batches from the next expected seq up to ``stop`` (excluded; None: all
+        there are) that replay returns; lose the rest."""
+        if self._replay is None:
+            if stop is not None:
+                self._lose(stop - self._next_seq())
+            return
+        verify = self._last_payload is not None
+        ask = self._last if verify else self._next_seq()
+        restarted = False
+        async for seq, payload in self._replay.batches(ask):
+            if verify and seq == ask:
+                restarted = payload != self._last_payload
+                continue
+            if restarted or seq < self._next_seq() or (stop is not None and seq >= stop):
+                continue  # read to the end all the same: the socket serves the next request
+            if seq > self._next_seq():
+                self._lose(seq - self._next_seq())
+            batch = self._accept(seq, payload, Condition.REPLAYED)
+            if batch is not None:
+                yield batch
+        outcome = self._replay.outcome
+        self.counters.malformed += outcome.malformed
+        self.counters.replays_cut_short += int(not outcome.finished)
+        if restarted:
+            # Our last batch came back different: the engine restarted and its new seqs passed
+            # ours. Its history is taken again from its start.
+            self._restarted()
+            async for batch in self._fill(stop):
+                yield batch
+            return
+        if stop is not None and self._next_seq() < stop:
+            self._lose(stop - self._next_seq())
+
+    def _accept(self, seq: int, payload: bytes, condition: Condition) -> FollowedBatch | None:
+        self._last, self._last_payload = seq, payload
+        try:
+            decoded = self.decoder.decode(payload)
+        except UpstreamPayloadError:
+            self.counters.malformed += 1
+            self._pending |= Condition.LOST
+            self._missing += 1
+            return None
+        if condition & Condition.REPLAYED:
+            self.counters.replayed += 1
+        else:
+            self.counters.live += 1
+        batch = FollowedBatch(
+            seq, decoded.ts, decoded.events, decoded.rank, condition | self._pending, self._missing
+        )
+        self._pending, self._missing = Condition.NONE, 0
+        return batch
+
+    def _lose(self, count: int) -> None:
+        if count <= 0:
+            return
+        self.counters.lost += count
+        self._pending |= Condition.LOST
+        self._missing += count
+        self._last, self._last_payload = self._next_seq() + count - 1, None
+
+    def _restarted(self) -> None:
+        """The engine started again: what was lost before no longer matters."""
+        self.counters.restarts += 1
+        self._first_seq, self._last, self._last_payload = 0, -1, None
+        self._pending, self._missing = Condition.RESTART, 0
