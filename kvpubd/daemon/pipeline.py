@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import threading
+import urllib.request
 import uuid
 
 import msgspec
@@ -25,8 +28,9 @@ from kvpubd.daemon.pool import SCRUB_SLICE_BYTES, pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher
 from kvpubd.daemon.reaper import Reaper
+from kvpubd.daemon.relay import Relay
 from kvpubd.daemon.seq_state import SeqState, open_seq_state
-from kvpubd.daemon.settings import Settings
+from kvpubd.daemon.settings import CacheConfig, Settings
 from kvpubd.daemon.sink import EventSink, GroupTag
 from kvpubd.daemon.snapshot import SnapshotJob
 from kvpubd.daemon.stores import QUEUED_REQUESTS, SYNC_BLOCKS, StoreQueue
@@ -43,9 +47,13 @@ from kvpubd.protocol.control import (
     Store,
     StoreReply,
 )
-from kvpubd.protocol.endpoints import rank_endpoint
+from kvpubd.protocol.endpoints import engine_rank_endpoint, rank_endpoint
 from kvpubd.protocol.int_arrays import IntArray
 from kvpubd.protocol.wire import MAX_SEQ, MAX_SIGNED_SEQ, BlockStored
+from kvpubd.upstream.flavours import FlavourDecoder
+from kvpubd.upstream.follower import Condition, EngineFollower
+
+log = logging.getLogger(__name__)
 
 # Blocks captured (stored or removed) that go out as a batch at once, not at the next tick: a
 # reset must publish everything captured before its marker, so this bounds what it encodes
@@ -131,9 +139,11 @@ class RankPipeline:
             host_medium=settings.cache.host_medium if settings.cache.host_blocks else None,
             group=pool_group_tag(settings.cache),
         )
+        upstream = settings.upstream
         try:
             self.cache = RankCache(
-                settings.cache,
+                # Upstream mode: the engine owns the pool; the cache is a placeholder.
+                _no_pool(settings.cache) if upstream.on else settings.cache,
                 self.sink,
                 events.hash_format,
                 rank,
@@ -147,6 +157,18 @@ class RankPipeline:
                 self._seq_state.close()
             raise
         self.resets = 0
+        self._upstream = upstream
+        self.relay: Relay | None = None
+        self._follower: EngineFollower | None = None
+        self._following: asyncio.Task[None] | None = None
+        if upstream.on:
+            self.relay = Relay(
+                self.sink,
+                events.hash_format,
+                self._engine_cleared,
+                clears_per_block=upstream.flavour == "trtllm",
+                clear_timeout=upstream.clear_timeout_ms / 1000,
+            )
         self._stores = StoreQueue(
             self.cache,
             QUEUED_REQUESTS * settings.control.max_tokens_per_request,
@@ -164,7 +186,65 @@ class RankPipeline:
         """Publish the startup marker, the run's first seq: subscribers forget what an earlier
         run published (and see a forward jump in seq, with the clock origin)."""
         self.sink.cleared()
-        return self.flush()
+        seq = self.flush()
+        if self.relay is not None:
+            self._following = asyncio.create_task(self._keep_following(), name="kvpubd upstream")
+        return seq
+
+    # -- upstream mode ------------------------------------------------------------------------
+
+    async def _keep_following(self) -> None:
+        """Follow the engine; should following fail (a bug), log it, forget what the engine
+        published (subscribers get the marker) and follow it again from its start."""
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("rank %d: following the engine failed; starting over", self.rank)
+                self._engine_cleared()
+                self.flush()
+                await asyncio.sleep(1.0)  # a bug that fails at once does not spin the loop
+
+    async def _follow(self) -> None:
+        """Republish the engine's batches as they come, one batch of ours per batch of its."""
+        relay, upstream, flavour = self.relay, self._upstream, self._upstream.flavour
+        assert relay is not None and flavour
+        replay = upstream.replay_endpoint
+        self._follower = follower = EngineFollower(
+            engine_rank_endpoint(upstream.endpoint, self.rank),
+            engine_rank_endpoint(replay, self.rank) if replay else None,
+            decoder=FlavourDecoder(flavour, default_medium=upstream.medium),
+            topic=upstream.topic,
+            rcvhwm=upstream.rcvhwm,
+            idle_check=upstream.idle_check_ms / 1000 or None,
+        )
+        try:
+            async for batch in follower:
+                if batch.condition & Condition.RESTART:
+                    relay.restart("the engine restarted")
+                elif batch.condition & Condition.LOST:
+                    relay.restart(f"{batch.missing_before} engine batch(es) lost")
+                relay.apply(batch.events)
+                while self._drain.paused:  # read no more than goes out
+                    await asyncio.sleep(0.01)
+                self.flush()
+        finally:
+            follower.close()
+
+    def _engine_cleared(self) -> None:
+        """The engine's own AllBlocksCleared (or a restart): the marker, and nothing kept."""
+        assert self.relay is not None
+        published = self.sink.cleared()
+        self._reaper.retire(self.relay.clear(), *published)
+
+    def _owned(self, op: str) -> None:
+        if self.relay is not None:
+            raise CacheError(
+                "upstream",
+                f"{op}: this daemon follows an engine (upstream mode), which owns its blocks",
+            )
 
     def flush(self, new_tick: bool = False) -> int | None:
         """Publish everything captured as one batch; returns its seq, or None if nothing was.
@@ -193,6 +273,7 @@ class RankPipeline:
         long token list still to decode, any behind queued work, or one ``queued`` by its
         caller). ``tokens``: the request's, decoded (or located, to decode a slice per loop
         turn)."""
+        self._owned("store")
         opened = len(self.cache.leases) + self._stores.stores_queued
         if opened >= self._max_open_requests:
             raise CacheError(
@@ -266,8 +347,13 @@ class RankPipeline:
         every_tier = tier == "all"
         retired = self.cache.clear(every_tier)
         published = self.sink.cleared(every_tier)
+        if self.relay is not None:
+            retired += (self.relay.clear(),)
+            self.relay.fence()  # the engine's events from before its own clear are void
         self.resets += 1
         seq = self.flush() if self._flush_on_reset else None
+        if self.relay is not None and self._upstream.reset_url:
+            _call_engine_reset(self._upstream.reset_url)
         self._scrub_freed()
         self._reaper.retire(retired, *published)
         if self.cache.host is not None and (self._backlog is None or self._backlog.done()):
@@ -349,7 +435,9 @@ class RankPipeline:
 
     def current_records(self) -> list[PublishedRecord]:
         """The published records: the pool's, then the host tier's, then those of a hybrid
-        cache's other groups."""
+        cache's other groups (upstream mode: the relay's alone)."""
+        if self.relay is not None:
+            return [self.relay.record]
         sink = self.sink
         records = [sink.published]
         if self.cache.host is not None:
@@ -358,6 +446,8 @@ class RankPipeline:
 
     def block_events(self, tier: int, block_ids: list[int]) -> list[BlockStored]:
         """The stores of the blocks of record ``tier`` (see current_records)."""
+        if self.relay is not None:
+            return self.relay.block_events(block_ids)
         if tier == 0:
             return self.cache.block_events(block_ids)
         if self.cache.host is not None:
@@ -391,6 +481,7 @@ class RankPipeline:
 
     def checksum_ids(self, block_ids: list[int]) -> np.ndarray:
         """The ids of a checksum request, checked against the pool (CacheError)."""
+        self._owned("checksum")
         pool = self.cache.pool
         if len(block_ids) > pool.num_blocks:
             raise CacheError("too_large", f"block_ids: at most {pool.num_blocks} ids")
@@ -403,6 +494,7 @@ class RankPipeline:
         return ids
 
     def pool_info(self) -> PoolInfo:
+        self._owned("pool_info")
         info = self.cache.pool.info(self.rank)
         if self.cache.groups:
             return self._group_pool_info(info)
@@ -440,9 +532,10 @@ class RankPipeline:
             blocks_capacity=pool.num_blocks,
             blocks_used=pool.used_count,
             blocks_free=pool.free_count,
-            blocks_cached=len(self.cache.index),
+            # Upstream mode: the engine's blocks, as the relay holds and published them.
+            blocks_cached=len(self.relay) if self.relay else len(self.cache.index),
             blocks_pinned=self.cache.pinned_blocks,
-            blocks_published=len(self.sink.published),
+            blocks_published=len(self.current_records()[0]),
             requests_open=len(self.cache.leases),
             events_pending=self.sink.pending_count,
             endpoint=transport.endpoint,
@@ -499,7 +592,7 @@ class RankPipeline:
 
     def close(self) -> None:
         self._stores.close()
-        for task in (self._scrub, self._backlog):
+        for task in (self._scrub, self._backlog, self._following):
             if task is not None:
                 task.cancel()
         if self._snapshot is not None:
@@ -525,3 +618,35 @@ def _group_pool(info: PoolInfo, tag: GroupTag | None) -> GroupPoolInfo:
         device=info.device,
         offset=info.offset,
     )
+
+
+def _no_pool(cache: CacheConfig) -> CacheConfig:
+    """The cache of a rank in upstream mode: one block, no groups, no host tier."""
+    return cache.model_copy(
+        update={
+            "num_blocks": 1,
+            "num_layers": 1,
+            "num_kv_heads": 1,
+            "head_dim": 1,
+            "dtype": "uint8",
+            "groups": [],
+            "host_blocks": 0,
+            "device": "cpu",
+            "rank_devices": [],
+        }
+    )
+
+
+def _call_engine_reset(url: str) -> None:
+    """POST to the engine's own reset (upstream.reset_url) in a thread: the loop never waits
+    for the engine, and a failure is one log line."""
+
+    def call() -> None:
+        try:
+            request = urllib.request.Request(url, data=b"", method="POST")
+            with urllib.request.urlopen(request, timeout=10) as response:
+                log.info("upstream: %s answered %d", url, response.status)
+        except (OSError, ValueError) as exc:
+            log.warning("upstream: the engine's reset %s failed: %s", url, exc)
+
+    threading.Thread(target=call, name="kvpubd engine reset", daemon=True).start()

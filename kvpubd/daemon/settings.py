@@ -371,6 +371,48 @@ class MetricsConfig(_Section):
     host: str = Field("127.0.0.1", min_length=1)
 
 
+class UpstreamConfig(_Section):
+    """Upstream mode: follow an unmodified engine's own KV-event publisher and republish it
+    (the engine owns its cache; store and release are refused)."""
+
+    # The engine's wire: "vllm", "sglang" or "trtllm"; "" (default): off, kvpubd owns the pool.
+    flavour: Literal["", "vllm", "sglang", "trtllm"] = ""
+    # The engine's PUB endpoint of its rank 0: rank r at port + r (ipc, inproc: suffix _dp<r>),
+    # as vLLM offsets its data-parallel ranks.
+    endpoint: str = ""
+    # The engine's replay ROUTER (same offsets); "": none, gaps cannot be repaired.
+    replay_endpoint: str = ""
+    topic: str = ""
+    # The medium of the engine's events that name none (SGLang omits it).
+    medium: str = Field("GPU", min_length=1)
+    # Called (HTTP POST) on every reset, after the marker is out: the engine's own reset,
+    # e.g. vLLM's http://127.0.0.1:8000/reset_prefix_cache. "": not called.
+    reset_url: str = ""
+    # After a reset, the engine's events from before its own clear are dropped for at most
+    # this long (see docs/engines.md).
+    clear_timeout_ms: int = Field(5000, ge=0, le=3_600_000)
+    # Messages the SUB socket holds from a flooding engine before ZeroMQ drops (a gap,
+    # repaired through replay where it can be).
+    rcvhwm: int = Field(10_000, ge=1, le=ZMQ_INT_MAX)
+    # A silent engine is asked for a dropped tail after this long (0: never).
+    idle_check_ms: int = Field(1000, ge=0, le=3_600_000)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_endpoints(cls, value: str) -> str:
+        return check_endpoint(value) if value else value
+
+    @model_validator(mode="after")
+    def _check_endpoint_set(self) -> UpstreamConfig:
+        if self.flavour and not self.endpoint:
+            raise ValueError("upstream.endpoint: the engine's PUB endpoint is needed")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return bool(self.flavour)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVPUBD_", env_nested_delimiter="__", extra="forbid", frozen=True
@@ -381,6 +423,7 @@ class Settings(BaseSettings):
     cache: CacheConfig = CacheConfig()
     service: ServiceConfig = ServiceConfig()
     metrics: MetricsConfig = MetricsConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
 
     @classmethod
     def settings_customise_sources(

@@ -223,6 +223,13 @@ class EventSink:
                 BlockRemoved(block_hashes=named, medium=self.medium, group_idx=group_idx)
             )
 
+    def relayed(self, event: Event, blocks: int) -> None:
+        """Capture an event an engine published (upstream mode: see relay.py), naming
+        ``blocks`` blocks. Never dropped by the per-tick cap: the engine's rate is bounded
+        where its batches are read."""
+        self._pending.append(event)
+        self.pending_blocks += blocks
+
     def host_stored(
         self,
         *,

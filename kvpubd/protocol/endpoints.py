@@ -53,6 +53,14 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
+def engine_rank_endpoint(endpoint: str, rank: int) -> str:
+    """An engine's endpoint for data-parallel ``rank``, as vLLM offsets its publisher's: rank
+    0's as given, then tcp port + rank (a port 0 is left to the OS) or the suffix _dp<rank>."""
+    if rank == 0 or tcp_port(endpoint) == 0:
+        return endpoint
+    return rank_endpoint(endpoint, rank)
+
+
 _RANK_SUFFIX = re.compile(r"_dp\d+$")
 
 
