@@ -263,12 +263,15 @@ class Service:
         self.control.start()
         await self._start_metrics()
         self._cap_connections()
+        upstream = self.settings.upstream
         log.log(
             logging.INFO if self.worker is None else logging.DEBUG,
-            "ready: %d rank(s), %d blocks of %d bytes each, control on %s, fd limit %d",
+            "ready: %d rank(s), %s, control on %s, fd limit %d",
             len(self.settings.cache.ranks),
-            self.settings.cache.num_blocks,
-            self.settings.cache.block_bytes,
+            f"following the {upstream.flavour} engine at {upstream.endpoint}"
+            if upstream.on
+            else f"{self.settings.cache.num_blocks} blocks of "
+            f"{self.settings.cache.block_bytes} bytes each",
             self.control_endpoint,
             resources.fd_limit(),
         )
@@ -426,6 +429,8 @@ class Service:
         """Refuse a cache the machine cannot hold, before any of it is allocated: host pools
         against /dev/shm (the more precise message), then everything against memory."""
         cache = self.settings.cache
+        if self.settings.upstream.on:
+            return  # the engine owns the cache: no pool here
         ranks = len(cache.ranks)
         # A hybrid cache has a pool per group.
         specs = cache.group_specs()
