@@ -50,11 +50,11 @@ def random_workload(
     each_step: Callable[[], object] | None = None,
 ) -> list[int]:
     """Stores of prompts sharing a few trunks (a prefix of one, then maybe a branch that recurs
-    and a partial last block), a quarter of them left open, releases, and forced resets; a
-    store the pools cannot hold (open requests pin them) is refused and skipped. Then every
-    open request is released and ``orphan_window_blocks`` ends the run (its prompt returned).
-    ``each_step`` is called before every step (a subscriber's receive, to follow the stream
-    live)."""
+    and a partial last block), a quarter of them left open (and computed: their blocks out of
+    the window unpinned), releases, and forced resets; a store the pools cannot hold (open
+    requests pin them) is refused and skipped. Then every open request is released and
+    ``orphan_window_blocks`` ends the run (its prompt returned). ``each_step`` is called
+    before every step (a subscriber's receive, to follow the stream live)."""
     rng = random.Random(seed)
     trunks = [unique_prompt(rng.randint(3, 8)) for _ in range(4)]
     open_ids: list[str] = []
@@ -82,6 +82,8 @@ def random_workload(
                 continue
             if rng.random() < 0.25:
                 open_ids.append(request_id)
+                # Computed: the window group unpins what fell out of the window.
+                client.computed(request_id, len(tokens))
             else:
                 client.release(request_id)
     for request_id in open_ids:
