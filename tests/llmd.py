@@ -14,7 +14,11 @@ of block hashes per pod:
   the last seq + 1; a live seq > 0 with no seq held asks for replay from 0;
 - without a replay endpoint it applies every live batch and looks at no seq;
 - its SUB is redialled ``retry_interval`` after it loses the publisher (go-zeromq runs
-  without auto-reconnect there); the seq state survives the redial.
+  without auto-reconnect there); the seq state survives the redial;
+- a hybrid model's KV cache groups (its pool's rules, ``pkg/kvevents/pool.go``): only groups
+  of a main-attention kind (full, MLA, sink-full attention) are indexed, removals of a group
+  not learned as one are skipped, and so is a store whose token ids are not ``block_size``
+  per block.
 
 Timings are parameters (llm-d: 5 s redial, 30 s cooldown, 2 s replay idle timeout) so that
 tests can run them small.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import zmq
@@ -55,12 +60,38 @@ def _hash(value: object) -> int:
     return value & U64
 
 
+# The KV cache spec kinds whose groups llm-d indexes ("main attention"); a hybrid model's
+# other groups (sliding window, ...) are learned from their stores and left out.
+MAIN_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+# Where the fields llm-d reads sit in an event of the array form, after its tag.
+ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+}  # fmt: skip
+
+
+def event_fields(event: dict[str, Any] | list[Any]) -> tuple[str, dict[str, Any]]:
+    """An event of either wire form as (type, fields by name)."""
+    if isinstance(event, dict):
+        return event["type"], event
+    kind = event[0]
+    return kind, dict(zip(ARRAY_FIELDS.get(kind, ()), event[1:], strict=False))
+
+
 class LlmdIndex:
-    """Block hashes held per pod (the in-memory index, keyed by engine hash)."""
+    """Block hashes held per pod (the in-memory index, keyed by engine hash), and each pod's
+    KV cache groups as their stores described them (True: a main-attention group).
+
+    A hybrid model's events: a store of a group whose kind is not main attention is not
+    indexed, nor is a store whose token ids are not ``block_size`` per block hash; a removal
+    of a group not learned as main attention is skipped. Events without ``group_idx`` are
+    indexed as they come."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pods: dict[str, set[int]] = {}
+        self.groups: dict[str, dict[int, bool]] = {}
         self.clears = 0
 
     def apply(self, topic: str, payload: bytes) -> None:
@@ -68,14 +99,22 @@ class LlmdIndex:
         pod = pod_of(topic)
         with self.lock:
             held = self.pods.setdefault(pod, set())
+            groups = self.groups.setdefault(pod, {})
             for event in batch[1]:
-                if isinstance(event, dict):
-                    kind, hashes = event["type"], event.get("block_hashes", [])
-                else:
-                    kind, hashes = event[0], event[1] if len(event) > 1 else []
+                kind, fields = event_fields(event)
+                hashes = fields.get("block_hashes") or []
+                group = fields.get("group_idx")
                 if kind == "BlockStored":
+                    if group is not None:
+                        groups[group] = fields.get("kv_cache_spec_kind") in MAIN_ATTENTION_KINDS
+                        if not groups[group]:
+                            continue
+                    if len(fields["token_ids"]) != len(hashes) * fields["block_size"]:
+                        continue
                     held.update(_hash(h) for h in hashes)
                 elif kind == "BlockRemoved":
+                    if group is not None and not groups.get(group, False):
+                        continue
                     held.difference_update(_hash(h) for h in hashes)
                 elif kind == "AllBlocksCleared":
                     held.clear()

@@ -9,7 +9,7 @@ import itertools
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvpubd.client import ControlClient, ControlError, Mirror, Received, SnapshotReply, StoreReply
@@ -127,10 +127,47 @@ def go_live(sub: AnySubscriber, client: ControlClient, ranks: list[int]) -> None
                 break
 
 
-def snapshot_blocks(reply: SnapshotReply) -> dict[BlockHash, BlockStored]:
+# Every block a mirror holds, keyed by (group_idx, hash): group_idx None for the events
+# without one (a cache of one implicit group). A hybrid cache's groups share their hashes.
+GroupedBlocks = dict[tuple[int | None, BlockHash], BlockStored]
+
+
+def snapshot_mirror(reply: SnapshotReply) -> Mirror:
     mirror = Mirror()
     mirror.apply(reply.events)
+    return mirror
+
+
+def snapshot_blocks(reply: SnapshotReply) -> dict[BlockHash, BlockStored]:
+    """A snapshot's blocks by hash, of a cache without groups (see ``grouped_blocks``)."""
+    mirror = snapshot_mirror(reply)
+    assert not mirror.group_blocks, "a hybrid cache's snapshot: key it by group (grouped_blocks)"
     return mirror.blocks
+
+
+def grouped_blocks(mirror: Mirror) -> GroupedBlocks:
+    """The mirror's pool blocks, every group's, keyed by (group_idx, hash)."""
+    keyed: GroupedBlocks = {(None, h): block for h, block in mirror.blocks.items()}
+    for group_idx, blocks in mirror.group_blocks.items():
+        keyed.update(((group_idx, h), block) for h, block in blocks.items())
+    return keyed
+
+
+def group_sizes(keys: Iterable[tuple[int | None, BlockHash]]) -> dict[int | None, int]:
+    """How many blocks each group holds."""
+    sizes: dict[int | None, int] = defaultdict(int)
+    for group_idx, _ in keys:
+        sizes[group_idx] += 1
+    return dict(sizes)
+
+
+def difference(held: GroupedBlocks, expected: GroupedBlocks) -> str:
+    """What a mirror's blocks lack and have beyond the expected ones, per group."""
+    return (
+        f"mirror has {group_sizes(held)} blocks per group, snapshot {group_sizes(expected)}; "
+        f"missing {group_sizes(expected.keys() - held.keys())}, "
+        f"extra {group_sizes(held.keys() - expected.keys())}"
+    )
 
 
 def settle(sub: AnySubscriber, client: ControlClient, rank: int) -> SnapshotReply:
@@ -161,19 +198,16 @@ def pump(
 
 
 def assert_mirror_is_snapshot(sub: AnySubscriber, client: ControlClient, ranks: list[int]) -> None:
-    """Every followed rank's mirror is exactly the daemon's snapshot at the same seq."""
+    """Every followed rank's mirror is exactly the daemon's snapshot at the same seq, group by
+    group on a hybrid cache."""
     for rank in ranks:
         snap = settle(sub, client, rank)
         assert sub.last_seq(rank) == snap.seq
         assert sub.synced(rank)
         mirror = sub.mirror(rank)
         assert mirror is not None
-        expected = snapshot_blocks(snap)
-        assert mirror.blocks == expected, (
-            f"rank {rank}: mirror has {len(mirror.blocks)} blocks, snapshot {len(expected)}; "
-            f"missing {len(expected.keys() - mirror.blocks.keys())}, "
-            f"extra {len(mirror.blocks.keys() - expected.keys())}"
-        )
+        held, expected = grouped_blocks(mirror), grouped_blocks(snapshot_mirror(snap))
+        assert held == expected, f"rank {rank}: {difference(held, expected)}"
 
 
 class Loader(threading.Thread):

@@ -36,8 +36,9 @@ from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import BlockHash, BlockRemoved, BlockStored
 from kvpubd.tools.launcher import free_tcp_port_runs, free_tcp_ports
 from tests.daemon import Daemon, wait_for
+from tests.hybrid import FULL, WINDOW, hybrid_cache, random_workload
 from tests.llmd import LlmdIndex, LlmdSubscriber, Timings, _hash
-from tests.mirrors import snapshot_blocks, store_released, unique_prompt
+from tests.mirrors import snapshot_blocks, snapshot_mirror, store_released, unique_prompt
 from tests.streams import Tap, chain_hashes, seq_of
 
 pytestmark = [
@@ -619,3 +620,32 @@ def test_randomised_run(indexer: Indexer, tcp_daemon: Any, seed: int) -> None:
     finally:
         watch.sub.close()
     assert all(seen.values()), seen
+
+
+# -- a hybrid model's KV cache groups (cache.groups) ----------------------------------------
+
+
+def test_a_hybrid_stream_is_scored_by_its_full_attention_group(
+    indexer: Indexer, tcp_daemon: Any
+) -> None:
+    """A full-attention group and a sliding-window one (tests/hybrid.py), which share their
+    block hashes. Dynamo indexes main-attention kinds only, learns each group's kind from its
+    stores and drops every event of another group, its removals included. After random
+    stores, releases, evictions and resets, its tree is exactly the snapshot's full-attention
+    group, though the window group let go of blocks that group keeps: the last prompt scores
+    all of it while the window group holds none of its first blocks."""
+    daemon = tcp_daemon(cache=hybrid_cache())
+    indexer.register(daemon)
+    with daemon.client() as client:
+        tokens = random_workload(client, seed=41, steps=150)
+        snapshot = snapshot_mirror(client.snapshot(0))
+    full = set(snapshot.group(FULL))
+    assert chain_hashes(tokens)[0] not in snapshot.group(WINDOW)
+    deadline = time.monotonic() + FOLLOW_S
+    while (held := indexer.tiers(0)) != {DEVICE: full, HOST: set()}:
+        assert time.monotonic() < deadline, (
+            f"indexer holds {len(held[DEVICE])} blocks, the full group {len(full)}, "
+            f"{len(held[DEVICE] - full)} of them not:\n{indexer.log()[-3000:]}"
+        )
+        time.sleep(0.05)
+    wait_overlap(indexer, tokens, {0: len(tokens)})

@@ -4,7 +4,8 @@
   answering with the typed replies of ``kvpubd.client.replies``;
 - ``Subscriber`` / ``AsyncSubscriber``: follow the event stream, repairing gaps by replay (or,
   with ``snapshot_endpoint``, bootstrapping from a snapshot: ``kvpubd.client.bootstrap``);
-- ``Mirror``: the cache as a router sees it, rebuilt from published events alone;
+- ``Mirror``: the cache as a router sees it, rebuilt from published events alone (a hybrid
+  model's KV cache groups each apart: ``GroupKind``);
 - ``map_pool``: map the daemon's block pool into this process (``map_host_tier``: its host
   tier);
 - the events a batch holds (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``, their
@@ -14,7 +15,7 @@ The client never imports the daemon: it speaks the protocol (``kvpubd.protocol``
 """
 
 from kvpubd.client.control import AsyncControlClient, ControlClient, ControlTimeout
-from kvpubd.client.mirror import Mirror, MirrorError
+from kvpubd.client.mirror import GroupKind, Mirror, MirrorError
 from kvpubd.client.pool import MappedPool, map_host_tier, map_pool
 from kvpubd.client.replies import (
     BatchReply,
@@ -62,6 +63,7 @@ __all__ = [
     "Counters",
     "Event",
     "EventBatch",
+    "GroupKind",
     "HostTierInfo",
     "MappedPool",
     "Marker",

@@ -16,7 +16,9 @@ gap, a new publisher_id or a silence, bootstraps again. Replay and control play 
 (passing them too is refused).
 
 ``host_medium`` (a daemon with a host tier: its ``cache.host_medium``, ``"CPU"``) keeps the
-mirror's host tier apart: events naming that medium go to ``Mirror.host_blocks``.
+mirror's host tier apart: events naming that medium go to ``Mirror.host_blocks``. A hybrid
+model's KV cache groups need nothing: the mirror keeps each group's blocks apart by itself
+(``Mirror.group_blocks``).
 
 A replay, snapshot or control request that gets no answer raises ``TimeoutError``
 (``SubscriberTimeout`` or ``ControlTimeout``) from the call that needed it; the request is kept

@@ -28,6 +28,7 @@ from kvpubd.protocol.endpoints import (
     tcp_port,
 )
 from kvpubd.protocol.hashing import HashAlgorithm
+from kvpubd.protocol.wire import FULL_ATTENTION_KINDS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -135,9 +136,8 @@ class ControlConfig(_Section):
 
 
 # The KV cache spec kinds (vLLM's KVCacheSpecKind names) a group may have: every block of a
-# full-attention kind is kept for the whole prompt; a sliding-window kind keeps the blocks of
-# its window (and serves a prefix whose last window it holds).
-FULL_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+# full-attention kind (FULL_ATTENTION_KINDS) is kept for the whole prompt; a sliding-window
+# kind keeps the blocks of its window (and serves a prefix whose last window it holds).
 SLIDING_WINDOW_KINDS = ("sliding_window", "sliding_window_mla")
 GroupKind = Literal[
     "full_attention", "mla_attention", "sink_full_attention", "sliding_window", "sliding_window_mla"

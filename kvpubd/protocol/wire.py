@@ -35,6 +35,9 @@ MAX_SEQ = (1 << 64) - 2
 # The snapshot protocol's reply numbers seqs as signed 64-bit: a run serving it stays below.
 MAX_SIGNED_SEQ = (1 << 63) - 1
 PUBLISHER_ID_BYTES = 16
+# The KV cache spec kinds (``kv_cache_spec_kind``) of a group that keeps every block of a
+# prompt, each store's chain parent included: the groups routers index (Dynamo, llm-d).
+FULL_ATTENTION_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

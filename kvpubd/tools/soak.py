@@ -24,7 +24,7 @@ import os
 import random
 import signal
 import time
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -37,6 +37,10 @@ from kvpubd.tools.bench_probe import ResetProbe
 from kvpubd.tools.bench_report import summary
 from kvpubd.tools.launcher import DaemonProcess
 from kvpubd.tools.soak_loads import LOADS, NUM_BLOCKS, OPT_IN, ORPHAN_GRACE_S
+
+if TYPE_CHECKING:
+    from kvpubd.client import Mirror
+    from kvpubd.protocol.wire import BlockHash
 
 RANKS = 2
 RESET_TIMEOUT_S = 30.0
@@ -98,8 +102,8 @@ def _check(sub: Any, client: Any, rank: int, attempts: int = 60) -> list[str]:
         expected = Mirror()
         expected.apply(snap.events)
         mirror = sub.mirror(rank)
-        have = set() if mirror is None else set(mirror.blocks)
-        want = set(expected.blocks)
+        have = set() if mirror is None else held_blocks(mirror)
+        want = held_blocks(expected)
         if have == want:
             return []
         problem = (
@@ -108,6 +112,14 @@ def _check(sub: Any, client: Any, rank: int, attempts: int = 60) -> list[str]:
         )
         time.sleep(0.5)
     return [problem]
+
+
+def held_blocks(mirror: Mirror) -> set[tuple[int | None, BlockHash]]:
+    """(group_idx, hash) of every block a mirror holds (None: events without a group)."""
+    held: set[tuple[int | None, BlockHash]] = {(None, h) for h in mirror.blocks}
+    for group_idx, blocks in mirror.group_blocks.items():
+        held.update((group_idx, h) for h in blocks)
+    return held
 
 
 def run_soak(
