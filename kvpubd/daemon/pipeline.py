@@ -166,8 +166,10 @@ class RankPipeline:
                 self.sink,
                 events.hash_format,
                 self._engine_cleared,
+                reaper.retire,
                 clears_per_block=upstream.flavour == "trtllm",
                 clear_timeout=upstream.clear_timeout_ms / 1000,
+                max_blocks=upstream.max_blocks,
             )
         self._stores = StoreQueue(
             self.cache,
@@ -236,8 +238,8 @@ class RankPipeline:
     def _engine_cleared(self) -> None:
         """The engine's own AllBlocksCleared (or a restart): the marker, and nothing kept."""
         assert self.relay is not None
-        published = self.sink.cleared()
-        self._reaper.retire(self.relay.clear(), *published)
+        self._reaper.retire(*self.sink.cleared())
+        self.relay.clear()
 
     def _owned(self, op: str) -> None:
         if self.relay is not None:
@@ -348,8 +350,7 @@ class RankPipeline:
         retired = self.cache.clear(every_tier)
         published = self.sink.cleared(every_tier)
         if self.relay is not None:
-            retired += (self.relay.clear(),)
-            self.relay.fence()  # the engine's events from before its own clear are void
+            self.relay.clear(fence=True)  # the engine's events from before its clear are void
         self.resets += 1
         seq = self.flush() if self._flush_on_reset else None
         if self.relay is not None and self._upstream.reset_url:

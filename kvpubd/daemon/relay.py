@@ -61,12 +61,21 @@ class Relay:
         sink: EventSink,
         hash_format: str,
         on_engine_clear: Callable[[], None],
+        retire: Callable[..., None],
         clears_per_block: bool = False,
         clear_timeout: float = 5.0,
+        max_blocks: int = 1 << 62,
     ) -> None:
         self.sink = sink
         # Publishes the marker and clears (the pipeline's, as for a reset without a fence).
         self._on_engine_clear = on_engine_clear
+        # Frees old containers a slice at a time (the reaper): dropping a million-block dict
+        # in one step would hold the loop.
+        self._retire = retire
+        # An engine that stores without end cannot grow the daemon without bound: stores
+        # past this many live blocks are not kept nor published (subscribers hold a subset).
+        self._max_blocks = max_blocks
+        self.over_limit = 0
         self._hash = hash_converter(hash_format)
         # The engine turns a reset into per-block removals (no AllBlocksCleared).
         self._clears_per_block = clears_per_block
@@ -78,31 +87,34 @@ class Relay:
         # After a reset: None (not fencing), else the deadline and, for per-block engines,
         # the keys the engine must still remove.
         self._fence_until: float | None = None
-        self._fenced_keys: set[Key] = set()
-        self._keys_at_clear: set[Key] = set()
+        self._fenced_keys: dict[Key, int] = {}
         self.dropped_by_reset = 0  # engine events dropped as from before its clear
         self.fences_timed_out = 0
         self.duplicates = 0  # blocks stored again while live, not repeated
         self.unknown_removals = 0  # blocks removed that were never stored, not published
+        # Stores whose token_ids do not cover exactly their blocks (vLLM's sliding-window
+        # stores that skip blocks): which tokens are whose cannot be told, so not kept.
+        self.non_dense_stores = 0
 
     def __len__(self) -> int:
         return len(self._block)
 
     # -- what the control socket does -------------------------------------------------------
 
-    def clear(self) -> PublishedRecord:
-        """Forget every block (the pipeline publishes the marker); returns the old record."""
-        old, self.record = self.record, PublishedRecord()
-        self._keys_at_clear = set(self._id_of) if self._clears_per_block else set()
-        self._id_of = {}
-        self._block = {}
-        return old
-
-    def fence(self) -> None:
-        """Drop the engine's events from before its own clear (see the module docstring):
-        called right after ``clear`` for a reset on the control socket."""
-        self._fence_until = time.monotonic() + self._clear_timeout
-        self._fenced_keys = self._keys_at_clear
+    def clear(self, fence: bool = False) -> None:
+        """Forget every block in O(1) (the pipeline publishes the marker); the old containers
+        go to the reaper. ``fence``: a reset on the control socket, after which the engine's
+        events from before its own clear are dropped (see the module docstring)."""
+        old_ids = self._id_of
+        self._retire(self.record, self._block)
+        self.record, self._id_of, self._block = PublishedRecord(), {}, {}
+        self._end_fence()
+        if fence:
+            self._fence_until = time.monotonic() + self._clear_timeout
+            if self._clears_per_block:
+                self._fenced_keys = old_ids  # what the engine must remove; retired after
+                return
+        self._retire(old_ids)
 
     @property
     def fencing(self) -> bool:
@@ -111,7 +123,8 @@ class Relay:
     # -- what the engine publishes -----------------------------------------------------------
 
     def restart(self, why: str) -> None:
-        """The engine restarted, or batches were lost: what it published before is void."""
+        """The engine restarted, or batches were lost: what it published before is void (a
+        restarted engine holds nothing from before a reset either: no fence is left)."""
         log.warning("upstream: %s; publishing AllBlocksCleared", why)
         self._engine_cleared()
 
@@ -140,32 +153,40 @@ class Relay:
         if isinstance(event, AllBlocksCleared) and not self._clears_per_block:
             self._end_fence()  # the engine's clear: what follows is after it
         elif isinstance(event, BlockRemoved) and self._clears_per_block:
-            group, medium = event.group_idx, event.medium
+            group, medium, fenced = event.group_idx, event.medium, self._fenced_keys
             for block_hash in event.block_hashes:
-                self._fenced_keys.discard((group, medium, self._hash(block_hash)))
-            if not self._fenced_keys:
+                fenced.pop((group, medium, self._hash(block_hash)), None)
+            if not fenced:
                 self._end_fence()
 
     def _end_fence(self) -> None:
         self._fence_until = None
-        self._fenced_keys = set()
+        if self._fenced_keys:
+            self._retire(self._fenced_keys)
+        self._fenced_keys = {}
 
     def _engine_cleared(self) -> None:
         self._on_engine_clear()
 
     def _stored(self, event: BlockStored) -> None:
+        size = event.block_size
+        if len(event.token_ids) != len(event.block_hashes) * size:
+            self.non_dense_stores += 1
+            return
         convert, group, medium = self._hash, event.group_idx, event.medium
         hashes = [convert(h) for h in event.block_hashes]
         parent = None if event.parent_block_hash is None else convert(event.parent_block_hash)
-        size = event.block_size
         tokens = event.token_ids
         extra = event.extra_keys
         run_start: int | None = None
         new_ids: list[int] = []
         for i, block_hash in enumerate(hashes):
             key = (group, medium, block_hash)
-            if key in self._id_of:
-                self.duplicates += 1
+            if key in self._id_of or len(self._block) >= self._max_blocks:
+                if key in self._id_of:
+                    self.duplicates += 1
+                else:
+                    self.over_limit += 1
                 if run_start is not None:
                     self._publish_run(event, hashes, run_start, i, new_ids)
                     run_start, new_ids = None, []

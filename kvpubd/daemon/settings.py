@@ -396,6 +396,9 @@ class UpstreamConfig(_Section):
     rcvhwm: int = Field(10_000, ge=1, le=ZMQ_INT_MAX)
     # A silent engine is asked for a dropped tail after this long (0: never).
     idle_check_ms: int = Field(1000, ge=0, le=3_600_000)
+    # Live blocks kept per rank (about 0.5 KiB each): stores past it are not republished, so
+    # an engine that never removes cannot grow the daemon without bound.
+    max_blocks: int = Field(4_000_000, ge=1, le=1 << 40)
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod

@@ -1,0 +1,141 @@
+"""The relay of upstream mode without sockets: what an engine's events become in the rank's
+sink, and which of them a reset drops (the engine's from before its own clear)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpubd.daemon.relay import Relay
+from kvpubd.daemon.sink import EventSink
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+BS = 2
+
+
+def stored(*hashes: int, parent: int | None = None, group: int | None = None) -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=[h % 1000 for h in hashes for _ in range(BS)],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+    )
+
+
+def removed(*hashes: int, group: int | None = None) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), medium="GPU", group_idx=group)
+
+
+class Rank:
+    """A relay, its sink, and what it handed the reaper."""
+
+    def __init__(self, flavour: str = "vllm", hash_format: str = "u64", **options: Any) -> None:
+        self.sink = EventSink(block_size=BS, medium="GPU", max_events_per_tick=1 << 30)
+        self.retired: list[Any] = []
+        self.relay = Relay(
+            self.sink,
+            hash_format,
+            self._engine_cleared,
+            lambda *containers: self.retired.extend(containers),
+            clears_per_block=flavour == "trtllm",
+            **options,
+        )
+
+    def _engine_cleared(self) -> None:  # what the pipeline does
+        self.sink.cleared()
+        self.relay.clear()
+
+    def out(self, *events: Event) -> list[Event]:
+        self.relay.apply(list(events))
+        return self.sink.drain()
+
+    def held(self) -> set[Any]:
+        live = list(self.relay._block)
+        return {e.block_hashes[0] for e in self.relay.block_events(live)}
+
+
+make = Rank
+
+
+def test_blocks_stored_again_are_not_repeated_and_unknown_removals_not_published() -> None:
+    rank = make()
+    assert rank.out(stored(1, 2)) == [stored(1, 2)]
+    # vLLM republishes the blocks a prefix hit reuses: only the new one goes out, its parent
+    # the block before it.
+    assert rank.out(stored(1, 2, 3)) == [stored(3, parent=2)]
+    assert rank.out(removed(2, 99)) == [removed(2)]
+    assert rank.relay.duplicates == 2 and rank.relay.unknown_removals == 1
+    assert rank.held() == {1, 3}
+
+
+def test_the_same_hash_in_two_groups_is_two_blocks() -> None:
+    rank = make()
+    rank.out(stored(1, group=0), stored(1, group=1))
+    assert rank.out(removed(1, group=1)) == [removed(1, group=1)]
+    assert rank.out(removed(1, group=1)) == []  # gone from group 1 only
+    assert rank.held() == {1}
+
+
+def test_signed_engine_hashes_go_out_in_the_configured_format() -> None:
+    rank = make()
+    (event,) = rank.out(stored(-1))
+    assert isinstance(event, BlockStored) and event.block_hashes == [(1 << 64) - 1]
+    assert make(hash_format="bytes").out(stored(5))[0].block_hashes == [(5).to_bytes(8, "big")]
+
+
+def test_a_store_whose_tokens_are_not_its_blocks_is_not_kept() -> None:
+    rank = make()
+    skipping = stored(1, 2)
+    skipping.token_ids = [*skipping.token_ids, 7, 7]  # vLLM's window stores skip blocks
+    assert rank.out(skipping) == []
+    assert rank.relay.non_dense_stores == 1
+
+
+def test_past_max_blocks_stores_are_dropped() -> None:
+    rank = make(max_blocks=2)
+    assert rank.out(stored(1, 2, 3)) == [stored(1, 2)]
+    assert rank.relay.over_limit == 1
+
+
+def test_after_a_reset_the_engines_events_up_to_its_own_clear_are_dropped() -> None:
+    rank = make()
+    rank.out(stored(1, 2))
+    rank.relay.clear(fence=True)  # the pipeline published the marker
+    # Flushed at the engine's next step: a store and a removal from before its clear.
+    assert rank.out(stored(3, parent=2), removed(1)) == []
+    assert rank.out(AllBlocksCleared(), stored(4)) == [stored(4)]
+    assert rank.relay.dropped_by_reset == 3 and not rank.relay.fencing
+    assert rank.held() == {4}
+
+
+def test_a_per_block_engine_is_followed_again_once_it_removed_what_it_held() -> None:
+    rank = make("trtllm")
+    rank.out(stored(1, 2))
+    rank.relay.clear(fence=True)
+    assert rank.out(stored(3, parent=2), removed(1)) == []
+    assert rank.relay.fencing
+    assert rank.out(removed(2, 3), stored(5)) == [stored(5)]
+    assert rank.held() == {5}
+
+
+def test_a_fence_ends_after_its_timeout_and_at_an_engine_restart() -> None:
+    rank = make(clear_timeout=0.0)
+    rank.relay.clear(fence=True)
+    assert rank.out(stored(1)) == [stored(1)]  # past the timeout: followed again
+    assert rank.relay.fences_timed_out == 1
+    rank = make()
+    rank.relay.clear(fence=True)
+    rank.relay.restart("test")
+    assert rank.sink.drain() == [AllBlocksCleared()]
+    assert rank.out(stored(1)) == [stored(1)]
+
+
+def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
+    rank = make()
+    rank.out(stored(1, 2))
+    rank.relay.clear(fence=True)
+    assert rank.relay.block_events([]) == [] and len(rank.relay) == 0
+    assert any(isinstance(c, dict) and len(c) == 2 for c in rank.retired)
