@@ -83,7 +83,8 @@ def test_signed_engine_hashes_go_out_in_the_configured_format() -> None:
     rank = make()
     (event,) = rank.out(stored(-1))
     assert isinstance(event, BlockStored) and event.block_hashes == [(1 << 64) - 1]
-    assert make(hash_format="bytes").out(stored(5))[0].block_hashes == [(5).to_bytes(8, "big")]
+    (event,) = make(hash_format="bytes").out(stored(5))
+    assert isinstance(event, BlockStored) and event.block_hashes == [(5).to_bytes(8, "big")]
 
 
 def test_a_store_whose_tokens_are_not_its_blocks_is_not_kept() -> None:
