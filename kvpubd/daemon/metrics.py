@@ -255,6 +255,28 @@ class _StateCollector(Collector):
             ("replay_requests", "Replay requests answered."),
             ("replays_refused", "Replay requests refused: max_replays were streaming."),
             ("snapshot_requests", "Requests to the snapshot endpoint (vLLM's protocol)."),
+            ("upstream_batches", "Engine batches taken (live or replayed) in upstream mode."),
+            ("upstream_replayed", "Engine batches taken from its replay socket (a gap repaired)."),
+            ("upstream_lost", "Engine batches lost for good (then AllBlocksCleared)."),
+            ("upstream_restarts", "Engine restarts seen (then AllBlocksCleared)."),
+            ("upstream_malformed", "Engine messages that did not decode (skipped)."),
+            (
+                "upstream_dropped_by_reset",
+                "Engine events dropped after a reset, as from before its clear.",
+            ),
+            ("upstream_fences_timed_out", "Resets after which the engine did not clear in time."),
+            (
+                "upstream_duplicate_blocks",
+                "Blocks the engine stored again while live (not repeated).",
+            ),
+            (
+                "upstream_unknown_removals",
+                "Blocks the engine removed that it never stored (not published).",
+            ),
+            (
+                "upstream_skipped_stores",
+                "Engine stores not kept: not dense, or past upstream.max_blocks.",
+            ),
             (
                 "snapshots_unavailable",
                 "Snapshot requests answered -2 (unavailable now): a failed build, or older "

@@ -547,8 +547,27 @@ class RankPipeline:
             snapshots_unavailable=transport.snapshots_unavailable,
             events_by_type=self._metrics.event_counts(self.rank),
             **self._host_stats(),
+            **self._upstream_stats(),
             groups=self._group_stats(),
         )
+
+    def _upstream_stats(self) -> dict[str, int]:
+        relay, follower = self.relay, self._follower
+        if relay is None:
+            return {}
+        counters = follower.counters if follower is not None else None
+        return {
+            "upstream_batches": counters.live + counters.replayed if counters else 0,
+            "upstream_replayed": counters.replayed if counters else 0,
+            "upstream_lost": counters.lost if counters else 0,
+            "upstream_restarts": counters.restarts if counters else 0,
+            "upstream_malformed": counters.malformed if counters else 0,
+            "upstream_dropped_by_reset": relay.dropped_by_reset,
+            "upstream_fences_timed_out": relay.fences_timed_out,
+            "upstream_duplicate_blocks": relay.duplicates,
+            "upstream_unknown_removals": relay.unknown_removals,
+            "upstream_skipped_stores": relay.non_dense_stores + relay.over_limit,
+        }
 
     def _group_stats(self) -> list[GroupStats]:
         cache, sink = self.cache, self.sink

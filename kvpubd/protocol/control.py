@@ -240,6 +240,17 @@ class RankStats(msgspec.Struct, frozen=True):
     host_blocks_capacity: int = 0
     host_blocks_cached: int = 0
     host_blocks_held: int = 0
+    # Upstream mode (upstream.flavour): what the engine's stream brought, all 0 while off.
+    upstream_batches: int = 0
+    upstream_replayed: int = 0
+    upstream_lost: int = 0
+    upstream_restarts: int = 0
+    upstream_malformed: int = 0
+    upstream_dropped_by_reset: int = 0
+    upstream_fences_timed_out: int = 0
+    upstream_duplicate_blocks: int = 0
+    upstream_unknown_removals: int = 0
+    upstream_skipped_stores: int = 0
     # A hybrid cache's groups (cache.groups), in group order; the blocks_* above are the
     # first full-attention group's. Empty for a cache of one group.
     groups: list[GroupStats] = msgspec.field(default_factory=list)
