@@ -348,3 +348,39 @@ def test_bench_groups_publishes_both_groups_and_times_resets_of_each_layout() ->
     assert two["blocks"] == 2 * one["blocks"]
     for layout in (one, two):
         assert layout["reset"]["0"]["n"] == 3 and layout["reset"]["1024"]["p50_us"] > 0
+
+
+@pytest.mark.skipif(not kv_events_path().is_file(), reason="vLLM's kv_events.py not extracted")
+def test_bench_relay_counts_every_event_on_both_streams_and_times_resets() -> None:
+    # 2 stores x 4 blocks a batch into an engine pool of 32 blocks: from batch 4 on, each
+    # batch also evicts 8 blocks, one BlockRemoved each.
+    result = bench(
+        "relay", "--batches", "12", "--paced-batches", "3", "--paced-interval-ms", "1",
+        "--stores-per-batch", "2", "--blocks-per-store", "4", "--engine-pool-blocks", "32",
+        "--resets", "3", "--idle-ms", "1",
+    )  # fmt: skip
+    for phase, batches in (("saturated", 12), ("paced", 3)):
+        report = result[phase]
+        first = 0 if phase == "saturated" else 12
+        evictions = sum(8 for i in range(first, first + batches) if i >= 4)
+        assert report["expected"] == {
+            "events": 2 * batches + evictions,
+            "stored_blocks": 8 * batches,
+            "removed_blocks": evictions,
+        }
+        for stream in ("engine", "kvpubd"):
+            got = report[stream]
+            # kvpubd republished each event of the engine once: no store repeated, no removal
+            # dropped, nothing lost, no marker.
+            assert {k: got[k] for k in report["expected"]} == report["expected"], (phase, stream)
+            assert got["batches"] == batches and got["events_per_s"] > 0
+            assert got["missing_seqs"] == 0 and got["markers"] == 0
+        assert report["lost_batches"] == {"engine": 0, "kvpubd": 0}
+        assert report["added_latency"]["n"] == batches
+    assert result["resets"]["n"] == 3 and result["resets"]["reply"]["n"] == 3
+
+
+def test_bench_relay_is_skipped_cleanly_without_vllms_file(tmp_path: Path) -> None:
+    missing = tmp_path / "kv_events.py"
+    result = bench("relay", env={ENV_VAR: str(missing)})
+    assert str(missing) in result["skipped"]

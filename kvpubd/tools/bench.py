@@ -11,6 +11,7 @@ from kvpubd.tools.bench_host_tier import bench_host_tier
 from kvpubd.tools.bench_index import bench_index
 from kvpubd.tools.bench_kernels_command import bench_kernels
 from kvpubd.tools.bench_publisher import bench_publisher, bench_vllm_extract
+from kvpubd.tools.bench_relay import bench_relay
 from kvpubd.tools.bench_reset import bench_reset
 from kvpubd.tools.bench_snapshot import bench_snapshot
 from kvpubd.tools.bench_throughput import bench_throughput
@@ -30,6 +31,7 @@ bench_app.command("index")(bench_index)
 bench_app.command("publisher")(bench_publisher)
 bench_app.command("vllm-extract")(bench_vllm_extract)
 bench_app.command("throughput")(bench_throughput)
+bench_app.command("relay")(bench_relay)
 bench_app.command("blockpool")(bench_blockpool)
 bench_app.command("snapshot")(bench_snapshot)
 bench_app.command("soak")(bench_soak)
