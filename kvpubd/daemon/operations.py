@@ -360,6 +360,7 @@ class Operations:
         """Answered once the ids are decoded and every slice of them is checksummed, one
         slice per loop turn."""
         pipeline = self._pipeline(request.rank)
+        pipeline.check_owned("checksum")
         num_blocks = pipeline.cache.pool.num_blocks
         block_ids = located(request.block_ids)
         if not isinstance(block_ids, IntArray):  # parse_request refused it already

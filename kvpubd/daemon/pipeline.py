@@ -241,7 +241,8 @@ class RankPipeline:
         self._reaper.retire(*self.sink.cleared())
         self.relay.clear()
 
-    def _owned(self, op: str) -> None:
+    def check_owned(self, op: str) -> None:
+        """CacheError ``upstream`` for an op on the pool while the engine owns it."""
         if self.relay is not None:
             raise CacheError(
                 "upstream",
@@ -275,7 +276,7 @@ class RankPipeline:
         long token list still to decode, any behind queued work, or one ``queued`` by its
         caller). ``tokens``: the request's, decoded (or located, to decode a slice per loop
         turn)."""
-        self._owned("store")
+        self.check_owned("store")
         opened = len(self.cache.leases) + self._stores.stores_queued
         if opened >= self._max_open_requests:
             raise CacheError(
@@ -480,22 +481,8 @@ class RankPipeline:
             # still being sent hold their own references.
             self._retire_snapshot()
 
-    def checksum_ids(self, block_ids: list[int]) -> np.ndarray:
-        """The ids of a checksum request, checked against the pool (CacheError)."""
-        self._owned("checksum")
-        pool = self.cache.pool
-        if len(block_ids) > pool.num_blocks:
-            raise CacheError("too_large", f"block_ids: at most {pool.num_blocks} ids")
-        ids = np.asarray(block_ids, dtype=np.int64)
-        bad = ids[ids >= pool.num_blocks]
-        if bad.size:
-            raise CacheError(
-                "bad_request", f"block_ids: {bad[0]} is not a block (pool has {pool.num_blocks})"
-            )
-        return ids
-
     def pool_info(self) -> PoolInfo:
-        self._owned("pool_info")
+        self.check_owned("pool_info")
         info = self.cache.pool.info(self.rank)
         if self.cache.groups:
             return self._group_pool_info(info)
