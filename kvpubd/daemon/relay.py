@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from itertools import repeat
 
 import msgspec
 
@@ -35,7 +36,7 @@ from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, Bloc
 log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
-Key = tuple[int | None, str | None, BlockHash]  # group_idx, medium, hash
+Lane = tuple[int | None, str | None]  # group_idx, medium
 
 
 def hash_converter(hash_format: str) -> Callable[[BlockHash], BlockHash]:
@@ -77,17 +78,21 @@ class Relay:
         self._max_blocks = max_blocks
         self.over_limit = 0
         self._hash = hash_converter(hash_format)
+        self._u64 = hash_format == "u64"
         # The engine turns a reset into per-block removals (no AllBlocksCleared).
         self._clears_per_block = clears_per_block
         self._clear_timeout = clear_timeout
         self.record = PublishedRecord()
-        self._id_of: dict[Key, int] = {}
-        self._block: dict[int, BlockStored] = {}  # the live block's one-block store, by id
+        # Per lane (group_idx, medium): each live block's id by hash.
+        self._ids: dict[Lane, dict[BlockHash, int]] = {}
+        # Each live block by id: the event that published it and its place in that event.
+        self._block: dict[int, tuple[BlockStored, int]] = {}
         self._next_id = 0
         # After a reset: None (not fencing), else the deadline and, for per-block engines,
         # the keys the engine must still remove.
         self._fence_until: float | None = None
-        self._fenced_keys: dict[Key, int] = {}
+        # A per-block engine's blocks at the reset, per lane, that it must still remove.
+        self._fenced_keys: dict[Lane, dict[BlockHash, int]] = {}
         self.dropped_by_reset = 0  # engine events dropped as from before its clear
         self.fences_timed_out = 0
         self.duplicates = 0  # blocks stored again while live, not repeated
@@ -105,16 +110,20 @@ class Relay:
         """Forget every block in O(1) (the pipeline publishes the marker); the old containers
         go to the reaper. ``fence``: a reset on the control socket, after which the engine's
         events from before its own clear are dropped (see the module docstring)."""
-        old_ids = self._id_of
+        old_ids = self._ids
         self._retire(self.record, self._block)
-        self.record, self._id_of, self._block = PublishedRecord(), {}, {}
+        self.record, self._ids, self._block = PublishedRecord(), {}, {}
         self._end_fence()
         if fence:
             self._fence_until = time.monotonic() + self._clear_timeout
             if self._clears_per_block:
-                self._fenced_keys = old_ids  # what the engine must remove; retired after
+                # What the engine must remove (retired after); holding nothing, it has
+                # nothing to remove: no fence.
+                self._fenced_keys = {lane: ids for lane, ids in old_ids.items() if ids}
+                if not self._fenced_keys:
+                    self._fence_until = None
                 return
-        self._retire(old_ids)
+        self._retire(*old_ids.values())
 
     @property
     def fencing(self) -> bool:
@@ -129,7 +138,9 @@ class Relay:
         self._engine_cleared()
 
     def apply(self, events: list[Event]) -> None:
-        """Capture the engine's events of one batch."""
+        """Capture the engine's events of one batch. Removals back to back in one lane are
+        taken (and republished) as one: vLLM reports each evicted block in an event of its
+        own."""
         if self._fence_until is not None and time.monotonic() > self._fence_until:
             log.warning(
                 "upstream: the engine did not clear within %.1f s of a reset; following it "
@@ -138,116 +149,170 @@ class Relay:
             )
             self.fences_timed_out += 1
             self._end_fence()
+        removals: list[BlockHash] = []
+        lane: tuple[int | None, str | None] | None = None
         for event in events:
             if self._fence_until is not None:
                 self._fenced(event)
-            elif isinstance(event, BlockStored):
+                continue
+            if type(event) is BlockRemoved:
+                here = (event.group_idx, event.medium)
+                if here != lane and removals:
+                    self._removed(lane, removals)
+                    removals = []
+                lane = here
+                removals += event.block_hashes
+                continue
+            if removals:
+                self._removed(lane, removals)
+                removals = []
+            if type(event) is BlockStored:
                 self._stored(event)
-            elif isinstance(event, BlockRemoved):
-                self._removed(event)
             else:
                 self._engine_cleared()
+        if removals:
+            self._removed(lane, removals)
 
     def _fenced(self, event: Event) -> None:
         self.dropped_by_reset += 1
         if isinstance(event, AllBlocksCleared) and not self._clears_per_block:
             self._end_fence()  # the engine's clear: what follows is after it
         elif isinstance(event, BlockRemoved) and self._clears_per_block:
-            group, medium, fenced = event.group_idx, event.medium, self._fenced_keys
-            for block_hash in event.block_hashes:
-                fenced.pop((group, medium, self._hash(block_hash)), None)
+            lane, fenced = (event.group_idx, event.medium), self._fenced_keys
+            held = fenced.get(lane)
+            if held is not None:
+                for block_hash in self._converted(event.block_hashes):
+                    held.pop(block_hash, None)
+                if not held:
+                    del fenced[lane]
             if not fenced:
                 self._end_fence()
 
     def _end_fence(self) -> None:
         self._fence_until = None
         if self._fenced_keys:
-            self._retire(self._fenced_keys)
+            self._retire(*self._fenced_keys.values())
         self._fenced_keys = {}
 
     def _engine_cleared(self) -> None:
         self._on_engine_clear()
 
+    def _converted(self, raw: list[BlockHash]) -> list[BlockHash]:
+        """The hashes in the configured format (the list itself when they are already)."""
+        if self._u64 and raw:
+            try:  # in C: ints all in range (bytes among ints do not compare)
+                if min(raw) >= 0 and max(raw) <= MASK64:  # type: ignore[operator]
+                    return raw
+            except TypeError:
+                pass
+        convert = self._hash
+        return [convert(h) for h in raw]
+
     def _stored(self, event: BlockStored) -> None:
-        size = event.block_size
-        if len(event.token_ids) != len(event.block_hashes) * size:
+        size, raw = event.block_size, event.block_hashes
+        if len(event.token_ids) != len(raw) * size:
             self.non_dense_stores += 1
             return
-        convert, group, medium = self._hash, event.group_idx, event.medium
-        hashes = [convert(h) for h in event.block_hashes]
-        parent = None if event.parent_block_hash is None else convert(event.parent_block_hash)
-        tokens = event.token_ids
-        extra = event.extra_keys
+        hashes = self._converted(raw)
+        ids = self._ids.setdefault((event.group_idx, event.medium), {})
+        parent = event.parent_block_hash
+        if parent is not None and (hashes is not raw):
+            parent = self._hash(parent)
+        if hashes is not raw or parent is not event.parent_block_hash:
+            event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
+        first = self._next_id
+        count = len(hashes)
+        if len(self._block) + count <= self._max_blocks and ids.keys().isdisjoint(hashes):
+            # All new (the common case): the event goes out as it came, each block kept as
+            # (event, index) with no object of its own.
+            new_ids = list(range(first, first + count))
+            self._next_id += count
+            ids.update(zip(hashes, new_ids, strict=True))
+            self._block.update(zip(new_ids, zip(repeat(event), range(count)), strict=True))
+            self.record.add(new_ids)
+            self.sink.relayed(event, count)
+            return
+        self._stored_some(event, ids)
+
+    def _stored_some(self, event: BlockStored, ids: dict[BlockHash, int]) -> None:
+        """A store some of whose blocks are live already (vLLM republishes the blocks a prefix
+        hit reuses) or past max_blocks: its new blocks go out as runs."""
+        hashes = event.block_hashes
         run_start: int | None = None
-        new_ids: list[int] = []
+        live = len(self._block)
         for i, block_hash in enumerate(hashes):
-            key = (group, medium, block_hash)
-            if key in self._id_of or len(self._block) >= self._max_blocks:
-                if key in self._id_of:
+            if block_hash in ids or live >= self._max_blocks:
+                if block_hash in ids:
                     self.duplicates += 1
                 else:
                     self.over_limit += 1
                 if run_start is not None:
-                    self._publish_run(event, hashes, run_start, i, new_ids)
-                    run_start, new_ids = None, []
+                    self._publish_run(event, run_start, i)
+                    run_start = None
                 continue
-            block_id = self._next_id
-            self._next_id += 1
-            self._id_of[key] = block_id
-            self._block[block_id] = msgspec.structs.replace(
-                event,
-                block_hashes=[block_hash],
-                parent_block_hash=parent if i == 0 else hashes[i - 1],
-                token_ids=tokens[i * size : (i + 1) * size],
-                extra_keys=None if extra is None or extra[i] is None else [extra[i]],
-            )
-            new_ids.append(block_id)
             if run_start is None:
                 run_start = i
+            ids[block_hash] = self._next_id
+            self._next_id += 1
+            live += 1
         if run_start is not None:
-            self._publish_run(event, hashes, run_start, len(hashes), new_ids, parent)
+            self._publish_run(event, run_start, len(hashes))
 
-    def _publish_run(
-        self,
-        event: BlockStored,
-        hashes: list[BlockHash],
-        start: int,
-        end: int,
-        ids: list[int],
-        parent: BlockHash | None = None,
-    ) -> None:
-        size, extra = event.block_size, event.extra_keys
-        self.record.add(ids)
+    def _publish_run(self, event: BlockStored, start: int, end: int) -> None:
+        size, extra, hashes = event.block_size, event.extra_keys, event.block_hashes
         run = msgspec.structs.replace(
             event,
             block_hashes=hashes[start:end],
-            parent_block_hash=parent if start == 0 else hashes[start - 1],
+            parent_block_hash=event.parent_block_hash if start == 0 else hashes[start - 1],
             token_ids=event.token_ids[start * size : end * size],
             extra_keys=None if extra is None else extra[start:end],
         )
+        new_ids = list(range(self._next_id - (end - start), self._next_id))
+        # Ids were taken in order while the run grew: they are the last ones handed out.
+        self._block.update(zip(new_ids, zip(repeat(run), range(end - start)), strict=True))
+        self.record.add(new_ids)
         self.sink.relayed(run, end - start)
 
-    def _removed(self, event: BlockRemoved) -> None:
-        convert, group, medium = self._hash, event.group_idx, event.medium
-        ids: list[int] = []
-        hashes: list[BlockHash] = []
-        for raw in event.block_hashes:
-            block_hash = convert(raw)
-            block_id = self._id_of.pop((group, medium, block_hash), None)
-            if block_id is None:
-                self.unknown_removals += 1
-                continue
-            ids.append(block_id)
-            hashes.append(block_hash)
-        if ids:
-            named = self.record.discard_named(ids, hashes)
-            for block_id in ids:
-                del self._block[block_id]
-            if named:
-                removed = BlockRemoved(block_hashes=named, medium=medium, group_idx=group)
-                self.sink.relayed(removed, len(named))
+    def _removed(self, lane: tuple[int | None, str | None] | None, raw: list[BlockHash]) -> None:
+        assert lane is not None
+        ids = self._ids.get(lane)
+        hashes = self._converted(raw)
+        found: list[int] = []
+        named: list[BlockHash] = []
+        if ids is not None:
+            pop = ids.pop
+            for block_hash in hashes:
+                block_id = pop(block_hash, None)
+                if block_id is not None:
+                    found.append(block_id)
+                    named.append(block_hash)
+        self.unknown_removals += len(hashes) - len(found)
+        if not found:
+            return
+        named = self.record.discard_named(found, named)
+        block = self._block
+        for block_id in found:
+            del block[block_id]
+        if named:
+            group, medium = lane
+            self.sink.relayed(BlockRemoved(named, medium, group), len(named))
 
     # -- snapshots ---------------------------------------------------------------------------
 
     def block_events(self, block_ids: list[int]) -> list[BlockStored]:
-        return [self._block[block_id] for block_id in block_ids]
+        """The blocks as one-block stores, each with its chain parent's hash."""
+        events = []
+        replace = msgspec.structs.replace
+        for event, i in map(self._block.__getitem__, block_ids):
+            size, extra = event.block_size, event.extra_keys
+            hashes = event.block_hashes
+            events.append(
+                replace(
+                    event,
+                    block_hashes=[hashes[i]],
+                    parent_block_hash=hashes[i - 1] if i else event.parent_block_hash,
+                    token_ids=event.token_ids[i * size : (i + 1) * size],
+                    extra_keys=None if extra is None or extra[i] is None else [extra[i]],
+                )
+            )
+        return events
