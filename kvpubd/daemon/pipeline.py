@@ -210,7 +210,9 @@ class RankPipeline:
                 await asyncio.sleep(1.0)  # a bug that fails at once does not spin the loop
 
     async def _follow(self) -> None:
-        """Republish the engine's batches as they come, one batch of ours per batch of its."""
+        """Republish the engine's batches as they come: at once when the engine has sent no
+        more, else once FLUSH_BLOCKS are captured (a saturated engine's batches go out
+        several to one of ours, encoded and sent once)."""
         relay, upstream, flavour = self.relay, self._upstream, self._upstream.flavour
         assert relay is not None and flavour
         replay = upstream.replay_endpoint
@@ -231,7 +233,8 @@ class RankPipeline:
                 relay.apply(batch.events)
                 while self._drain.paused:  # read no more than goes out
                     await asyncio.sleep(0.01)
-                self.flush()
+                if not follower.more_ready or self.sink.pending_blocks >= FLUSH_BLOCKS:
+                    self.flush()
         finally:
             follower.close()
 

@@ -81,8 +81,9 @@ def _phase_report(
         },
         # kvpubd's arrival minus the engine's, per batch both received (ns in, us out).
         "added_latency": summary(added),
+        # Blocks, not events: kvpubd republishes removals back to back as one event.
         "relayed_ratio": round(
-            rates["kvpubd"]["events_per_s"] / max(rates["engine"]["events_per_s"], 1), 3
+            rates["kvpubd"]["blocks_per_s"] / max(rates["engine"]["blocks_per_s"], 1), 3
         ),
     }
 

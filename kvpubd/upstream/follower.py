@@ -49,6 +49,9 @@ from kvpubd.upstream.flavours import (
 )
 from kvpubd.upstream.replay import ReplayClient
 
+# Messages read from the SUB socket per round of the loop at most.
+BURST = 256
+
 
 class Condition(enum.Flag):
     NONE = 0
@@ -114,6 +117,9 @@ class EngineFollower:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # The same sockets, read without the loop (see _follow).
+        self._sub_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
+        self._monitor_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor.underlying)
         self._poller = zmq.asyncio.Poller()
         self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._sub, zmq.POLLIN)
@@ -143,6 +149,11 @@ class EngineFollower:
     @property
     def last_seq(self) -> int | None:
         return self._last if self._last >= 0 else None
+
+    @property
+    def more_ready(self) -> bool:
+        """The engine's next batch is received already (its consumer may wait to act)."""
+        return bool(int(self._sub.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def __aiter__(self) -> AsyncIterator[FollowedBatch]:
         return self._follow()
@@ -188,14 +199,23 @@ class EngineFollower:
                     yield batch
             if self._sub not in ready:
                 continue
-            frames = await self._sub.recv_multipart()
-            try:
-                seq, payload = split_live(frames)
-            except ValueError:
-                self.counters.malformed += 1  # no seq: nothing to repair by, nothing lost
-                continue
-            async for batch in self._take(seq, payload):
-                yield batch
+            # What the socket holds, read without a round of the loop each (a saturated
+            # engine's batches come far faster than asyncio hands out futures); the monitor
+            # is looked at before each, as above.
+            for _ in range(BURST):
+                if self._monitor_now.poll(0):
+                    break  # reported on the next round, before anything after it
+                try:
+                    frames = self._sub_now.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    seq, payload = split_live(frames)
+                except ValueError:
+                    self.counters.malformed += 1  # no seq: nothing to repair by, nothing lost
+                    continue
+                async for batch in self._take(seq, payload):
+                    yield batch
 
     def _next_seq(self) -> int:
         return self._last + 1 if self._last >= 0 else self._first_seq
