@@ -140,3 +140,10 @@ def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
     rank.relay.clear(fence=True)
     assert rank.relay.block_events([]) == [] and len(rank.relay) == 0
     assert any(isinstance(c, dict) and len(c) == 2 for c in rank.retired)
+
+
+def test_a_lora_store_without_its_name_is_published_with_the_name_kvpubd_gives() -> None:
+    event = stored(1)
+    event.lora_id = 7
+    (out,) = make().out(event)
+    assert isinstance(out, BlockStored) and (out.lora_id, out.lora_name) == (7, "lora-7")

@@ -214,6 +214,10 @@ class Relay:
             self.non_dense_stores += 1
             return
         hashes = self._converted(raw)
+        if event.lora_id is not None and event.lora_name is None:
+            # Routers key LoRA blocks by name (Dynamo ignores lora_id): the name kvpubd gives
+            # where it owns the pool.
+            event = msgspec.structs.replace(event, lora_name=f"lora-{event.lora_id}")
         ids = self._ids.setdefault((event.group_idx, event.medium), {})
         parent = event.parent_block_hash
         if parent is not None and (hashes is not raw):
