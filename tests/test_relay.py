@@ -92,7 +92,7 @@ def test_a_store_whose_tokens_are_not_its_blocks_is_not_kept() -> None:
     skipping = stored(1, 2)
     skipping.token_ids = [*skipping.token_ids, 7, 7]  # vLLM's window stores skip blocks
     assert rank.out(skipping) == []
-    assert rank.relay.non_dense_stores == 1
+    assert rank.relay.non_dense_blocks == 1
 
 
 def test_past_max_blocks_stores_are_dropped() -> None:
@@ -147,3 +147,19 @@ def test_a_lora_store_without_its_name_is_published_with_the_name_kvpubd_gives()
     event.lora_id = 7
     (out,) = make().out(event)
     assert isinstance(out, BlockStored) and (out.lora_id, out.lora_name) == (7, "lora-7")
+
+
+def test_blocks_under_a_parent_that_is_not_live_are_left_out_but_not_in_window_groups() -> None:
+    rank = make()
+    rank.out(stored(1, 2))
+    rank.relay.restart("test")  # kvpubd forgets; the engine stores on under block 2
+    rank.sink.drain()
+    assert rank.out(stored(3, 4, parent=2)) == []
+    assert rank.out(stored(5, parent=4)) == []  # a descendant: left out too
+    assert rank.relay.orphans == 3
+    # The chain goes on past a block that is live: what hangs under it is published.
+    rank.out(stored(1))
+    assert rank.out(stored(1, 6, parent=None)) == [stored(6, parent=1)]
+    window = stored(7, parent=99, group=1)
+    window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window = "sliding_window", 64
+    assert rank.out(window) == [window]

@@ -274,8 +274,8 @@ class _StateCollector(Collector):
                 "Blocks the engine removed that it never stored (not published).",
             ),
             (
-                "upstream_skipped_stores",
-                "Engine stores not kept: not dense, or past upstream.max_blocks.",
+                "upstream_skipped_blocks",
+                "Engine blocks not kept: not dense, past max_blocks, or under a parent not live.",
             ),
             (
                 "snapshots_unavailable",

@@ -556,7 +556,7 @@ class RankPipeline:
             "upstream_fences_timed_out": relay.fences_timed_out,
             "upstream_duplicate_blocks": relay.duplicates,
             "upstream_unknown_removals": relay.unknown_removals,
-            "upstream_skipped_stores": relay.non_dense_stores + relay.over_limit,
+            "upstream_skipped_blocks": relay.non_dense_blocks + relay.over_limit + relay.orphans,
         }
 
     def _group_stats(self) -> list[GroupStats]:

@@ -6,7 +6,11 @@ stored and has not removed, keyed by (group, medium, hash) in the configured has
 captures what routers need into the rank's sink:
 
 - a store of blocks already live is not repeated (vLLM republishes the blocks a prefix hit
-  reuses), and a removal of blocks never stored is dropped: subscribers see a strict stream;
+  reuses), a removal of blocks never stored is dropped, and a block stored under a parent
+  that is not live (on any medium: the engine stored it under a block a loss, a restart or a
+  reset made kvpubd forget) is not published, nor are its descendants: subscribers see a
+  strict stream, in chains they can follow. Sliding-window groups are exempt: their parents
+  may be gone for good reasons;
 - an engine restart, or batches the follower lost, void what the engine published before:
   the relay forgets it and publishes ``AllBlocksCleared`` (subscribers then hold a subset of
   the engine's blocks, never a block it dropped);
@@ -31,7 +35,14 @@ import msgspec
 
 from kvpubd.daemon.published import PublishedRecord
 from kvpubd.daemon.sink import EventSink
-from kvpubd.protocol.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from kvpubd.protocol.wire import (
+    FULL_ATTENTION_KINDS,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +108,10 @@ class Relay:
         self.fences_timed_out = 0
         self.duplicates = 0  # blocks stored again while live, not repeated
         self.unknown_removals = 0  # blocks removed that were never stored, not published
-        # Stores whose token_ids do not cover exactly their blocks (vLLM's sliding-window
-        # stores that skip blocks): which tokens are whose cannot be told, so not kept.
-        self.non_dense_stores = 0
+        self.orphans = 0  # blocks stored under a parent that is not live, not published
+        # Blocks of stores whose token_ids do not cover exactly their blocks (vLLM's
+        # sliding-window stores that skip blocks): which tokens are whose cannot be told.
+        self.non_dense_blocks = 0
 
     def __len__(self) -> int:
         return len(self._block)
@@ -211,7 +223,7 @@ class Relay:
     def _stored(self, event: BlockStored) -> None:
         size, raw = event.block_size, event.block_hashes
         if len(event.token_ids) != len(raw) * size:
-            self.non_dense_stores += 1
+            self.non_dense_blocks += len(raw)
             return
         hashes = self._converted(raw)
         if event.lora_id is not None and event.lora_name is None:
@@ -226,7 +238,12 @@ class Relay:
             event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
         first = self._next_id
         count = len(hashes)
-        if len(self._block) + count <= self._max_blocks and ids.keys().isdisjoint(hashes):
+        chained = parent is None or self._live(event, parent)
+        if (
+            chained
+            and len(self._block) + count <= self._max_blocks
+            and ids.keys().isdisjoint(hashes)
+        ):
             # All new (the common case): the event goes out as it came, each block kept as
             # (event, index) with no object of its own.
             new_ids = list(range(first, first + count))
@@ -236,20 +253,36 @@ class Relay:
             self.record.add(new_ids)
             self.sink.relayed(event, count)
             return
-        self._stored_some(event, ids)
+        self._stored_some(event, ids, chained)
 
-    def _stored_some(self, event: BlockStored, ids: dict[BlockHash, int]) -> None:
+    def _live(self, event: BlockStored, parent: BlockHash) -> bool:
+        """Whether a store's parent is live in its group, on any medium (a copy on another
+        tier counts), or need not be (a sliding-window group's)."""
+        if (
+            event.kv_cache_spec_kind is not None
+            and event.kv_cache_spec_kind not in FULL_ATTENTION_KINDS
+        ):
+            return True
+        group = event.group_idx
+        return any(parent in ids for (g, _), ids in self._ids.items() if g == group)
+
+    def _stored_some(self, event: BlockStored, ids: dict[BlockHash, int], chained: bool) -> None:
         """A store some of whose blocks are live already (vLLM republishes the blocks a prefix
-        hit reuses) or past max_blocks: its new blocks go out as runs."""
+        hit reuses), under a parent that is not live, or past max_blocks: its new blocks go
+        out as runs."""
         hashes = event.block_hashes
         run_start: int | None = None
         live = len(self._block)
         for i, block_hash in enumerate(hashes):
-            if block_hash in ids or live >= self._max_blocks:
-                if block_hash in ids:
+            duplicate = block_hash in ids
+            if duplicate or not chained or live >= self._max_blocks:
+                if duplicate:
                     self.duplicates += 1
+                elif not chained:
+                    self.orphans += 1
                 else:
                     self.over_limit += 1
+                chained = duplicate  # the next block hangs under this one
                 if run_start is not None:
                     self._publish_run(event, run_start, i)
                     run_start = None

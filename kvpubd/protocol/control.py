@@ -250,7 +250,7 @@ class RankStats(msgspec.Struct, frozen=True):
     upstream_fences_timed_out: int = 0
     upstream_duplicate_blocks: int = 0
     upstream_unknown_removals: int = 0
-    upstream_skipped_stores: int = 0
+    upstream_skipped_blocks: int = 0
     # A hybrid cache's groups (cache.groups), in group order; the blocks_* above are the
     # first full-attention group's. Empty for a cache of one group.
     groups: list[GroupStats] = msgspec.field(default_factory=list)
