@@ -9,12 +9,13 @@ SGLang modules it imports. The file is looked for at ``$KVPUBD_SGLANG_KV_EVENTS`
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import types
 import zipfile
 from pathlib import Path
+
+from kvpubd.tools.vllm_source import load_with_stand_ins
 
 ENV_VAR = "KVPUBD_SGLANG_KV_EVENTS"
 DEFAULT_PATH = Path.home() / ".cache" / "kvpubd" / "sglang" / "kv_events.py"
@@ -51,22 +52,7 @@ def _stand_ins() -> dict[str, types.ModuleType]:
 
 def load_kv_events(path: Path | None = None) -> types.ModuleType:
     """SGLang's ``kv_events`` module from its file (stand-ins restored afterwards)."""
-    path = path or kv_events_path()
-    stand_ins = _stand_ins()
-    saved = {name: sys.modules.get(name) for name in stand_ins}
-    sys.modules.update(stand_ins)
-    try:
-        spec = importlib.util.spec_from_file_location("_kvpubd_sglang_kv_events", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        for name, previous in saved.items():
-            if previous is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = previous
-    return module
+    return load_with_stand_ins(path or kv_events_path(), "_kvpubd_sglang_kv_events", _stand_ins())
 
 
 if __name__ == "__main__":

@@ -139,18 +139,26 @@ def load_kv_events(path: Path | None = None) -> types.ModuleType:
             f"vLLM's kv_events.py is not at {path} (set {ENV_VAR}, or run "
             "`kvpubd bench vllm-extract WHEEL`; see the README's benchmark section)"
         )
-    stand_ins = _stand_ins()
-    saved = {name: sys.modules.get(name) for name in stand_ins}
+    return load_with_stand_ins(path, "_kvpubd_vllm_kv_events", _stand_ins())
+
+
+def load_with_stand_ins(
+    path: Path, name: str, stand_ins: dict[str, types.ModuleType]
+) -> types.ModuleType:
+    """The module of an engine's file ``path``, its imports of the rest of the engine served
+    by ``stand_ins`` while it loads (restored afterwards: a real engine in this process is
+    left alone)."""
+    saved = {module: sys.modules.get(module) for module in stand_ins}
     sys.modules.update(stand_ins)
     try:
-        spec = importlib.util.spec_from_file_location("_kvpubd_vllm_kv_events", path)
+        spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
-        for name, previous in saved.items():
+        for module_name, previous in saved.items():
             if previous is None:
-                sys.modules.pop(name, None)
+                sys.modules.pop(module_name, None)
             else:
-                sys.modules[name] = previous
+                sys.modules[module_name] = previous
     return module
