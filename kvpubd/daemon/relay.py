@@ -6,7 +6,9 @@ stored and has not removed, keyed by (group, medium, hash) in the configured has
 captures what routers need into the rank's sink:
 
 - a store of blocks already live is not repeated (vLLM republishes the blocks a prefix hit
-  reuses), and a removal of blocks never stored is dropped: subscribers see a strict stream;
+  reuses), a removal of blocks never stored is dropped, and a block whose parent is not live
+  (on any medium: the engine stored it under a block that a loss, a restart or a reset made
+  kvpubd forget) is not published, nor are its descendants: subscribers see a strict stream;
 - an engine restart, or batches the follower lost, void what the engine published before:
   the relay forgets it and publishes ``AllBlocksCleared`` (subscribers then hold a subset of
   the engine's blocks, never a block it dropped);
@@ -84,6 +86,8 @@ class Relay:
         self.fences_timed_out = 0
         self.duplicates = 0  # blocks stored again while live, not repeated
         self.unknown_removals = 0  # blocks removed that were never stored, not published
+        self.orphans = 0  # blocks stored under a parent that is not live, not published
+        self._media: set[str | None] = set()  # of the stores so far (where parents may live)
 
     def __len__(self) -> int:
         return len(self._block)
@@ -160,23 +164,36 @@ class Relay:
         size = event.block_size
         tokens = event.token_ids
         extra = event.extra_keys
+        self._media.add(medium)
+        above_live = parent is None or self._live(group, parent)
         run_start: int | None = None
         new_ids: list[int] = []
         for i, block_hash in enumerate(hashes):
             key = (group, medium, block_hash)
-            if key in self._id_of:
-                self.duplicates += 1
+            above = parent if i == 0 else hashes[i - 1]
+            duplicate = key in self._id_of
+            # The block above an orphan may still be live on another medium.
+            orphan = (
+                not duplicate
+                and not above_live
+                and (i == 0 or not self._live(group, hashes[i - 1]))
+            )
+            if duplicate or orphan:
+                self.duplicates += duplicate
+                self.orphans += orphan
+                above_live = duplicate
                 if run_start is not None:
-                    self._publish_run(event, hashes, run_start, i, new_ids)
+                    self._publish_run(event, hashes, run_start, i, new_ids, parent)
                     run_start, new_ids = None, []
                 continue
+            above_live = True
             block_id = self._next_id
             self._next_id += 1
             self._id_of[key] = block_id
             self._block[block_id] = msgspec.structs.replace(
                 event,
                 block_hashes=[block_hash],
-                parent_block_hash=parent if i == 0 else hashes[i - 1],
+                parent_block_hash=above,
                 token_ids=tokens[i * size : (i + 1) * size],
                 extra_keys=None if extra is None or extra[i] is None else [extra[i]],
             )
@@ -186,6 +203,11 @@ class Relay:
         if run_start is not None:
             self._publish_run(event, hashes, run_start, len(hashes), new_ids, parent)
 
+    def _live(self, group: int | None, block_hash: BlockHash) -> bool:
+        """Whether the block is live on some medium (a host tier copy may be stored under a
+        device block)."""
+        return any((group, medium, block_hash) in self._id_of for medium in self._media)
+
     def _publish_run(
         self,
         event: BlockStored,
@@ -193,7 +215,7 @@ class Relay:
         start: int,
         end: int,
         ids: list[int],
-        parent: BlockHash | None = None,
+        parent: BlockHash | None,
     ) -> None:
         size, extra = event.block_size, event.extra_keys
         self.record.add(ids)
