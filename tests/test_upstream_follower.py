@@ -300,3 +300,39 @@ async def test_a_restart_during_a_silence_is_found_by_the_idle_check(
     assert after[0].condition == Condition.REPLAYED | Condition.RESTART
     assert all(b.condition == Condition.REPLAYED for b in after[1:])
     assert collector.follower.counters.restarts == 1
+
+
+async def test_a_restart_with_fewer_batches_during_a_silence_is_found(
+    engine: Engine, relay: Relay
+) -> None:
+    """The restarted engine has published fewer batches than the first one, none of them
+    received live: after the lost connection, the idle check's replay from the last batch
+    taken comes back empty, which the same engine never answers (its ring always holds its
+    newest batch); the new engine's history is given out from its seq 0."""
+    collector = Collector(
+        EngineFollower(
+            relay.endpoint,
+            engine.replay_endpoint,
+            flavour="sglang" if engine.flavour == "sglang" else "vllm",
+            idle_check=0.05,
+            replay_timeout=0.5,  # the first engine's replay socket is gone for a while
+        )
+    )
+    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+    for _ in range(5):
+        engine.publish(key)
+        key += 1
+    before = key
+    await collector.until(lambda: len(collector.batches) == before, "the first engine's")
+    relay.drop = lambda seq: True
+    relay.close_pub()
+    engine.shutdown()
+    engine.start()
+    relay.open_pub()
+    engine.publish(RESTARTED_KEYS)  # seq 0, far below the follower's last
+    await collector.until(lambda: len(collector.batches) == before + 1, "the new engine's")
+    await collector.stop()
+    (after,) = collector.batches[before:]
+    assert (after.seq, after.events) == (0, [engine.expected(RESTARTED_KEYS)])
+    assert after.condition == Condition.REPLAYED | Condition.RESTART
+    assert collector.follower.counters.restarts == 1

@@ -261,7 +261,9 @@ class EngineFollower:
         verify = self._last_payload is not None
         ask = self._last if verify else self._next_seq()
         restarted = False
+        answered = False
         async for seq, payload in self._replay.batches(ask):
+            answered = True
             if verify and seq == ask:
                 restarted = payload != self._last_payload
                 continue
@@ -275,6 +277,11 @@ class EngineFollower:
         outcome = self._replay.outcome
         self.counters.malformed += outcome.malformed
         self.counters.replays_cut_short += int(not outcome.finished)
+        if stop is None and verify and self._disconnected and outcome.finished and not answered:
+            # A silence after a lost connection, and the engine holds nothing from our last
+            # batch on (its ring always holds its newest): it restarted and has published
+            # fewer batches than before, none of which reached us live.
+            restarted = True
         if restarted:
             # Our last batch came back different: the engine restarted and its new seqs passed
             # ours. Its history is taken again from its start.
