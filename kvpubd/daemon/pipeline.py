@@ -524,7 +524,7 @@ class RankPipeline:
             blocks_used=pool.used_count,
             blocks_free=pool.free_count,
             # Upstream mode: the engine's blocks, as the relay holds and published them.
-            blocks_cached=len(self.relay) if self.relay else len(self.cache.index),
+            blocks_cached=len(self.relay) if self.relay is not None else len(self.cache.index),
             blocks_pinned=self.cache.pinned_blocks,
             blocks_published=len(self.current_records()[0]),
             requests_open=len(self.cache.leases),
