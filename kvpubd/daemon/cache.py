@@ -14,7 +14,7 @@ from kvpubd.daemon.host_tier import HostTier
 from kvpubd.daemon.pool import BlockPool, create_pool, rank_device
 from kvpubd.daemon.radix import ROOT, RadixIndex
 from kvpubd.daemon.settings import CacheConfig
-from kvpubd.daemon.sink import EventSink, StoreKeys, store_keys, stored_event
+from kvpubd.daemon.sink import EventSink, StoreKeys, one_block_stores, store_keys, stored_event
 from kvpubd.daemon.tier_copy import Fence
 from kvpubd.protocol.control import GroupBlocks, Store
 from kvpubd.protocol.hashing import TOKEN_DTYPE, HashFormat, chain_digests, root_key, wire_hasher
@@ -572,21 +572,15 @@ class RankCache:
         views of the tier's rows, valid until the slot is reused)."""
         host = self.host
         assert host is not None
-        digest, parent, keys, tokens = host.digest, host.parent_digest, host.keys, host.tokens
-        hashes = self.wire_hash([digest[s] for s in slots])
-        parents = [parent[s] for s in slots]
-        parent_hashes = self.wire_hash([p for p in parents if p is not None])[::-1]
-        return [
-            stored_event(
-                hashes=[block_hash],
-                parent_hash=parent_hashes.pop() if parent_digest is not None else None,
-                token_ids=tokens[slot],
-                block_size=self.block_size,
-                medium=host.medium,
-                keys=keys[slot],
-            )
-            for slot, block_hash, parent_digest in zip(slots, hashes, parents, strict=True)
-        ]
+        return one_block_stores(
+            [host.digest[s] for s in slots],
+            [host.parent_digest[s] for s in slots],
+            [host.tokens[s] for s in slots],
+            [host.keys[s] for s in slots],
+            wire_hash=self.wire_hash,
+            block_size=self.block_size,
+            medium=host.medium,
+        )
 
     def close(self) -> None:
         if self.host is not None:

@@ -28,7 +28,7 @@ import numpy as np
 from kvpubd.daemon.pool import BlockPool
 from kvpubd.daemon.radix import ROOT, RadixIndex
 from kvpubd.daemon.settings import CacheConfig, GroupSpec
-from kvpubd.daemon.sink import EventSink, GroupLane, GroupTag, StoreKeys, stored_event
+from kvpubd.daemon.sink import EventSink, GroupLane, GroupTag, StoreKeys, one_block_stores
 from kvpubd.daemon.window_index import WindowIndex
 from kvpubd.protocol.hashing import TOKEN_DTYPE
 from kvpubd.protocol.wire import BlockHash, BlockStored
@@ -239,23 +239,17 @@ class SecondaryGroup:
     def block_events(self, block_ids: list[int], medium: str) -> list[BlockStored]:
         """Cached blocks as one-block stores, as a snapshot reports them (token ids are
         views of the group's rows, valid until the block's slot is reused)."""
-        index = self.index
-        digest, keys, tokens = index.digest, index.keys, self.tokens
-        hashes = self.wire_hash([digest[b] for b in block_ids])
-        parents = self.parent_digests(block_ids)
-        parent_hashes = self.wire_hash([p for p in parents if p is not None])[::-1]
-        return [
-            stored_event(
-                hashes=[block_hash],
-                parent_hash=parent_hashes.pop() if parent is not None else None,
-                token_ids=tokens[block_id],
-                block_size=self.block_size,
-                medium=medium,
-                keys=keys[block_id],
-                group=self.lane.tag,
-            )
-            for block_id, block_hash, parent in zip(block_ids, hashes, parents, strict=True)
-        ]
+        index, tokens = self.index, self.tokens
+        return one_block_stores(
+            [index.digest[b] for b in block_ids],
+            self.parent_digests(block_ids),
+            [tokens[b] for b in block_ids],
+            [index.keys[b] for b in block_ids],
+            wire_hash=self.wire_hash,
+            block_size=self.block_size,
+            medium=medium,
+            group=self.lane.tag,
+        )
 
     @property
     def pinned_blocks(self) -> int:

@@ -3,6 +3,7 @@ cap, and the record of which blocks are published (so removals and children stay
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -106,6 +107,37 @@ def stored_event(
         kv_cache_spec_sliding_window=None if group is None else group.sliding_window,
         cache_salt=keys.cache_salt,
     )
+
+
+def one_block_stores(
+    digests: list[bytes],
+    parent_digests: list[bytes | None],
+    rows: list[np.ndarray],
+    keys: list[StoreKeys],
+    *,
+    wire_hash: Callable[[list[bytes]], list[BlockHash]],
+    block_size: int,
+    medium: str,
+    group: GroupTag | None = None,
+) -> list[BlockStored]:
+    """Blocks as one-block stores, as a snapshot reports them: their digests, their chain
+    parents' (None for a prompt's first block), token rows and keys, by block."""
+    hashes = wire_hash(digests)
+    parent_hashes = wire_hash([p for p in parent_digests if p is not None])[::-1]
+    return [
+        stored_event(
+            hashes=[block_hash],
+            parent_hash=parent_hashes.pop() if parent is not None else None,
+            token_ids=row,  # type: ignore[arg-type]
+            block_size=block_size,
+            medium=medium,
+            keys=block_keys,
+            group=group,
+        )
+        for block_hash, parent, row, block_keys in zip(
+            hashes, parent_digests, rows, keys, strict=True
+        )
+    ]
 
 
 class EventSink:
