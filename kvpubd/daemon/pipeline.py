@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvpubd.daemon.cache import CacheError, RankCache, StoreResult
+from kvpubd.daemon.cache import CacheError, RankCache, StoreResult, UnpinParts
 from kvpubd.daemon.drain import Drain
 from kvpubd.daemon.encoded import reply_ids
 from kvpubd.daemon.groups import pool_group_tag
@@ -317,12 +317,7 @@ class RankPipeline:
         if self._stores.holds(request_id):
             return self._stores.submit_release(request_id).map(self._release_reply)
         lease = self.cache.end_lease(request_id)
-        parts = lease.parts() if lease.groups else [(0, lease.blocks)]
-        if self._stores.busy or sum(len(blocks) for _, blocks in parts) > SYNC_BLOCKS:
-            self._stores.submit_unpin(parts)
-        else:
-            for group, blocks in parts:
-                self.cache.unpin(blocks, group)
+        self._unpin(lease.parts())
         return self._release_reply(lease.size)
 
     def computed(self, request_id: str | int, computed_tokens: int) -> ComputedReply:
@@ -332,14 +327,21 @@ class RankPipeline:
                 "busy",
                 f"request {request_id!r} is still being stored; send computed after its reply",
             )
-        parts = self.cache.let_window_go(request_id, computed_tokens)
-        released = sum(len(blocks) for _, blocks in parts)
-        if self._stores.busy or released > SYNC_BLOCKS:
+        return ComputedReply(
+            self.rank, self._unpin(self.cache.let_window_go(request_id, computed_tokens))
+        )
+
+    def _unpin(self, parts: UnpinParts) -> int:
+        """Unpin blocks of a closed request (or out of its window), before any later store of
+        the rank runs: now, or a slice per loop turn behind queued work or when there are
+        many. Returns how many."""
+        count = sum(len(blocks) for _, blocks in parts)
+        if self._stores.busy or count > SYNC_BLOCKS:
             self._stores.submit_unpin(parts)
         else:
             for group, blocks in parts:
                 self.cache.unpin(blocks, group)
-        return ComputedReply(self.rank, released)
+        return count
 
     def _release_reply(self, released: int) -> ReleaseReply:
         return ReleaseReply(self.rank, released)
