@@ -249,9 +249,7 @@ class Relay:
             new_ids = list(range(first, first + count))
             self._next_id += count
             ids.update(zip(hashes, new_ids, strict=True))
-            self._block.update(zip(new_ids, zip(repeat(event), range(count)), strict=True))
-            self.record.add(new_ids)
-            self.sink.relayed(event, count)
+            self._publish(event, new_ids)
             return
         self._stored_some(event, ids, chained)
 
@@ -306,9 +304,13 @@ class Relay:
         )
         new_ids = list(range(self._next_id - (end - start), self._next_id))
         # Ids were taken in order while the run grew: they are the last ones handed out.
-        self._block.update(zip(new_ids, zip(repeat(run), range(end - start)), strict=True))
+        self._publish(run, new_ids)
+
+    def _publish(self, event: BlockStored, new_ids: list[int]) -> None:
+        """Keep the store's blocks (ids in its order) and capture it."""
+        self._block.update(zip(new_ids, zip(repeat(event), range(len(new_ids))), strict=True))
         self.record.add(new_ids)
-        self.sink.relayed(run, end - start)
+        self.sink.relayed(event, len(new_ids))
 
     def _removed(self, lane: tuple[int | None, str | None] | None, raw: list[BlockHash]) -> None:
         assert lane is not None
