@@ -235,6 +235,9 @@ class RankPipeline:
                     await asyncio.sleep(0.01)
                 if not follower.more_ready or self.sink.pending_blocks >= FLUSH_BLOCKS:
                     self.flush()
+                    # A loop turn per flush: the follower hands over a burst of batches with
+                    # no turn of its own, and a reset must not wait behind all of them.
+                    await asyncio.sleep(0)
         finally:
             follower.close()
 
