@@ -17,7 +17,7 @@ class Model:
     per-block 'data' that changes whenever a block id is reused."""
 
     def __init__(self) -> None:
-        self.record = PublishedRecord()
+        self.record: PublishedRecord[int] = PublishedRecord()
         self.live: dict[int, str] = {}  # block id -> data, in publication order
         self.generation = 0
 
@@ -35,7 +35,7 @@ class Model:
         del self.live[block_id]
 
 
-def drain(view: FrozenView, model: Model, step: int = 3) -> list[tuple[int, str]]:
+def drain(view: FrozenView[int], model: Model, step: int = 3) -> list[tuple[int, str]]:
     out = []
     while not view.finished:
         for block_id, saved in view.take(step):

@@ -53,7 +53,7 @@ class Rank:
         return self.sink.drain()
 
     def held(self) -> set[Any]:
-        live = list(self.relay._block)
+        live = list(self.relay.record)
         return {e.block_hashes[0] for e in self.relay.block_events(live)}
 
 

@@ -31,12 +31,13 @@ from prometheus_client.utils import floatToGoString
 
 from kvpubd import __version__
 from kvpubd.protocol.control import RankStats
-from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, RelayedStored
 
 log = logging.getLogger(__name__)
 
 EVENT_TYPES: dict[type, str] = {
     BlockStored: "BlockStored",
+    RelayedStored: "BlockStored",
     BlockRemoved: "BlockRemoved",
     AllBlocksCleared: "AllBlocksCleared",
 }
@@ -240,7 +241,7 @@ class _StateCollector(Collector):
             labels=["rank", "type"],
         )
         for stats in ranks:
-            for kind in EVENT_TYPES.values():
+            for kind in dict.fromkeys(EVENT_TYPES.values()):  # each name once
                 events.add_metric([str(stats.rank), kind], stats.events_by_type.get(kind, 0))
         yield events
 

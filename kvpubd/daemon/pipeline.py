@@ -12,6 +12,7 @@ import logging
 import threading
 import urllib.request
 import uuid
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -219,7 +220,7 @@ class RankPipeline:
         self._follower = follower = EngineFollower(
             engine_rank_endpoint(upstream.endpoint, self.rank),
             engine_rank_endpoint(replay, self.rank) if replay else None,
-            decoder=FlavourDecoder(flavour, default_medium=upstream.medium),
+            decoder=FlavourDecoder(flavour, default_medium=upstream.medium, tokens_encoded=True),
             topic=upstream.topic,
             rcvhwm=upstream.rcvhwm,
             idle_check=upstream.idle_check_ms / 1000 or None,
@@ -429,10 +430,10 @@ class RankPipeline:
 
     # What a snapshot job reads.
 
-    def freeze_published(self) -> tuple[int, list[FrozenView]] | None:
+    def freeze_published(self) -> tuple[int, list[FrozenView[Any]]] | None:
         # Publish what is captured first, so the views are exactly the state at its seq.
         self.flush()
-        views: list[FrozenView] = []
+        views: list[FrozenView[Any]] = []
         for tier, record in enumerate(self.current_records()):
             view = record.freeze(functools.partial(self._removed_block_event, tier))
             if view is None:
@@ -443,7 +444,7 @@ class RankPipeline:
             views.append(view)
         return self.publisher.last_seq, views
 
-    def current_records(self) -> list[PublishedRecord]:
+    def current_records(self) -> list[PublishedRecord[Any]]:
         """The published records: the pool's, then the host tier's, then those of a hybrid
         cache's other groups (upstream mode: the relay's alone)."""
         if self.relay is not None:
@@ -454,8 +455,9 @@ class RankPipeline:
             records.append(sink.host_published)
         return records + [lane.published for lane in sink.lanes]
 
-    def block_events(self, tier: int, block_ids: list[int]) -> list[BlockStored]:
-        """The stores of the blocks of record ``tier`` (see current_records)."""
+    def block_events(self, tier: int, block_ids: list[Any]) -> list[BlockStored]:
+        """The stores of the blocks of record ``tier`` (see current_records): its ids are
+        slot numbers, or the relay's block keys."""
         if self.relay is not None:
             return self.relay.block_events(block_ids)
         if tier == 0:

@@ -15,20 +15,23 @@ time while no view is open.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from itertools import repeat
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+# A block's id: the pool's slot number; the relay keys its blocks by the engine's hashes.
+K = TypeVar("K", bound=Hashable)
 
 COMPACT_SLACK = 4096  # stale log entries tolerated beyond the live count before compacting
 COMPACT_STEP = 20_000  # log entries compacted per call
 
 
-class FrozenView:
+class FrozenView(Generic[K]):
     """The published blocks at the moment the view was taken. ``capture(block_id)`` is called
     for a block removed while the view is open, before any of its data can be overwritten."""
 
-    def __init__(self, record: PublishedRecord, capture: Callable[[int], Any]) -> None:
+    def __init__(self, record: PublishedRecord[K], capture: Callable[[K], Any]) -> None:
         self.record = record
         self.end = len(record._log)
         self.count = len(record._entry)
@@ -37,11 +40,11 @@ class FrozenView:
         self._capture = capture
         self.open = True
 
-    def removed(self, position: int, block_id: int) -> None:
+    def removed(self, position: int, block_id: K) -> None:
         if self.cursor <= position < self.end:
             self.saved[position] = self._capture(block_id)
 
-    def take(self, limit: int) -> Iterator[tuple[int, Any]]:
+    def take(self, limit: int) -> Iterator[tuple[K, Any]]:
         """The next blocks of the view in publication order: (block id, data saved at
         removal, or None while the block is still live). Up to ``limit`` log entries."""
         log, entry, saved = self.record._log, self.record._entry, self.saved
@@ -65,27 +68,27 @@ class FrozenView:
             self.record._views.remove(self)
 
 
-class PublishedRecord:
+class PublishedRecord(Generic[K]):
     def __init__(self) -> None:
-        self._entry: dict[int, int] = {}
-        self._log: list[int] = []
-        self._views: list[FrozenView] = []
+        self._entry: dict[K, int] = {}
+        self._log: list[K] = []
+        self._views: list[FrozenView[K]] = []
         # Compaction in progress: the new log, and how far the old one has been read.
-        self._new_log: list[int] | None = None
+        self._new_log: list[K] | None = None
         self._read = 0
 
-    def __contains__(self, block_id: int) -> bool:
+    def __contains__(self, block_id: K) -> bool:
         return block_id in self._entry
 
     def __len__(self) -> int:
         return len(self._entry)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[K]:
         """Live blocks in publication order (O(log); for tests and small tools)."""
         entry = self._entry
         return (b for i, b in enumerate(self._log) if entry.get(b) == i)
 
-    def add(self, block_ids: list[int]) -> None:
+    def add(self, block_ids: Sequence[K]) -> None:
         log = self._log
         position = len(log)
         # In C: no bytecode per block on the store path.
@@ -93,7 +96,7 @@ class PublishedRecord:
         self._entry.update(zip(block_ids, positions, strict=True))
         log.extend(block_ids)
 
-    def discard(self, block_id: int) -> bool:
+    def discard(self, block_id: K) -> bool:
         """Forget a published block; False when it was not published."""
         position = self._entry.pop(block_id, None)
         if position is None:
@@ -102,21 +105,20 @@ class PublishedRecord:
             view.removed(position, block_id)
         return True
 
-    def discard_named(self, block_ids: list[int], names: list[T]) -> list[T]:
+    def discard_named(self, block_ids: Sequence[K], names: list[T]) -> list[T]:
         """Forget the published ones of ``block_ids``; the ``names`` of those (same order)."""
         if self._views:
             discard = self.discard
             return [
                 name for block_id, name in zip(block_ids, names, strict=True) if discard(block_id)
             ]
-        pop = self._entry.pop  # no view to tell: one C call per block
-        return [
-            name
-            for block_id, name in zip(block_ids, names, strict=True)
-            if pop(block_id, None) is not None
-        ]
+        # No view to tell: in C, one call per block (``names`` itself when all were published).
+        found = list(map(self._entry.pop, block_ids, repeat(None)))
+        if None not in found:
+            return names
+        return [name for position, name in zip(found, names, strict=True) if position is not None]
 
-    def freeze(self, capture: Callable[[int], Any]) -> FrozenView | None:
+    def freeze(self, capture: Callable[[K], Any]) -> FrozenView[K] | None:
         """A view of the blocks published now, or None while a compaction is under way
         (``compact_some`` finishes it; ask again on a later turn)."""
         if self._new_log is not None:

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from itertools import repeat
+from typing import Any
 
 import msgspec
 
@@ -42,12 +44,17 @@ from kvpubd.protocol.wire import (
     BlockRemoved,
     BlockStored,
     Event,
+    token_count,
+    token_list,
 )
 
 log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
 Lane = tuple[int | None, str | None]  # group_idx, medium
+# A block's key in the record: its hash in the first lane the engine used (the only one in
+# the common case: no tuple made per block), (lane number, hash) in any other.
+BlockKey = BlockHash | tuple[int, BlockHash]
 
 
 def hash_converter(hash_format: str) -> Callable[[BlockHash], BlockHash]:
@@ -93,17 +100,17 @@ class Relay:
         # The engine turns a reset into per-block removals (no AllBlocksCleared).
         self._clears_per_block = clears_per_block
         self._clear_timeout = clear_timeout
-        self.record = PublishedRecord()
-        # Per lane (group_idx, medium): each live block's id by hash.
-        self._ids: dict[Lane, dict[BlockHash, int]] = {}
-        # Each live block by id: the event that published it and its place in that event.
-        self._block: dict[int, tuple[BlockStored, int]] = {}
-        self._next_id = 0
+        # Every live block (each was published), by key, in publication order.
+        self.record: PublishedRecord[BlockKey] = PublishedRecord()
+        # Per lane (group_idx, medium), in the order the lanes appeared: each live block's
+        # store (the event that published it) by hash. A block has no object of its own.
+        self._live: dict[Lane, dict[BlockHash, BlockStored]] = {}
+        self._lane_no: dict[Lane, int] = {}
         # After a reset: None (not fencing), else the deadline and, for per-block engines,
         # the keys the engine must still remove.
         self._fence_until: float | None = None
         # A per-block engine's blocks at the reset, per lane, that it must still remove.
-        self._fenced_keys: dict[Lane, dict[BlockHash, int]] = {}
+        self._fenced_keys: dict[Lane, dict[BlockHash, BlockStored]] = {}
         self.dropped_by_reset = 0  # engine events dropped as from before its clear
         self.fences_timed_out = 0
         self.duplicates = 0  # blocks stored again while live, not repeated
@@ -114,7 +121,7 @@ class Relay:
         self.non_dense_blocks = 0
 
     def __len__(self) -> int:
-        return len(self._block)
+        return len(self.record)
 
     # -- what the control socket does -------------------------------------------------------
 
@@ -122,20 +129,20 @@ class Relay:
         """Forget every block in O(1) (the pipeline publishes the marker); the old containers
         go to the reaper. ``fence``: a reset on the control socket, after which the engine's
         events from before its own clear are dropped (see the module docstring)."""
-        old_ids = self._ids
-        self._retire(self.record, self._block)
-        self.record, self._ids, self._block = PublishedRecord(), {}, {}
+        old_live = self._live
+        self._retire(self.record)
+        self.record, self._live, self._lane_no = PublishedRecord(), {}, {}
         self._end_fence()
         if fence:
             self._fence_until = time.monotonic() + self._clear_timeout
             if self._clears_per_block:
                 # What the engine must remove (retired after); holding nothing, it has
                 # nothing to remove: no fence.
-                self._fenced_keys = {lane: ids for lane, ids in old_ids.items() if ids}
+                self._fenced_keys = {lane: live for lane, live in old_live.items() if live}
                 if not self._fenced_keys:
                     self._fence_until = None
                 return
-        self._retire(*old_ids.values())
+        self._retire(*old_live.values())
 
     @property
     def fencing(self) -> bool:
@@ -161,29 +168,37 @@ class Relay:
             )
             self.fences_timed_out += 1
             self._end_fence()
-        removals: list[BlockHash] = []
-        lane: tuple[int | None, str | None] | None = None
-        for event in events:
-            if self._fence_until is not None:
+        if self._fence_until is not None:
+            for i, event in enumerate(events):
                 self._fenced(event)
-                continue
+                if self._fence_until is None:  # the engine's clear: what follows is after it
+                    events = events[i + 1 :]
+                    break
+            else:
+                return
+        self._follow(events)
+
+    def _follow(self, events: list[Event]) -> None:
+        removals: list[BlockHash] = []
+        group: int | None = None
+        medium: str | None = None
+        for event in events:
             if type(event) is BlockRemoved:
-                here = (event.group_idx, event.medium)
-                if here != lane and removals:
-                    self._removed(lane, removals)
+                if removals and (event.group_idx != group or event.medium != medium):
+                    self._removed((group, medium), removals)
                     removals = []
-                lane = here
+                group, medium = event.group_idx, event.medium
                 removals += event.block_hashes
                 continue
             if removals:
-                self._removed(lane, removals)
+                self._removed((group, medium), removals)
                 removals = []
-            if type(event) is BlockStored:
+            if isinstance(event, BlockStored):
                 self._stored(event)
             else:
                 self._engine_cleared()
         if removals:
-            self._removed(lane, removals)
+            self._removed((group, medium), removals)
 
     def _fenced(self, event: Event) -> None:
         self.dropped_by_reset += 1
@@ -222,7 +237,7 @@ class Relay:
 
     def _stored(self, event: BlockStored) -> None:
         size, raw = event.block_size, event.block_hashes
-        if len(event.token_ids) != len(raw) * size:
+        if token_count(event.token_ids) != len(raw) * size:
             self.non_dense_blocks += len(raw)
             return
         hashes = self._converted(raw)
@@ -230,50 +245,60 @@ class Relay:
             # Routers key LoRA blocks by name (Dynamo ignores lora_id): the name kvpubd gives
             # where it owns the pool.
             event = msgspec.structs.replace(event, lora_name=f"lora-{event.lora_id}")
-        ids = self._ids.setdefault((event.group_idx, event.medium), {})
+        lane = (event.group_idx, event.medium)
+        live = self._live.get(lane)
+        if live is None:
+            live = self._live[lane] = {}
+            self._lane_no[lane] = len(self._lane_no)
         parent = event.parent_block_hash
         if parent is not None and (hashes is not raw):
             parent = self._hash(parent)
         if hashes is not raw or parent is not event.parent_block_hash:
             event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
-        first = self._next_id
         count = len(hashes)
-        chained = parent is None or self._live(event, parent)
+        chained = parent is None or parent in live or self._parent_live(event, parent)
         if (
             chained
-            and len(self._block) + count <= self._max_blocks
-            and ids.keys().isdisjoint(hashes)
+            and len(self.record) + count <= self._max_blocks
+            and live.keys().isdisjoint(hashes)
         ):
-            # All new (the common case): the event goes out as it came, each block kept as
-            # (event, index) with no object of its own.
-            new_ids = list(range(first, first + count))
-            self._next_id += count
-            ids.update(zip(hashes, new_ids, strict=True))
-            self._publish(event, new_ids)
-            return
-        self._stored_some(event, ids, chained)
+            # All new (the common case): the event goes out as it came.
+            before = len(live)
+            live.update(zip(hashes, repeat(event)))
+            if len(live) - before == count:
+                self.record.add(self._keys(lane, hashes))
+                self.sink.relayed(event, count)
+                return
+            deque(map(live.pop, hashes, repeat(None)), 0)  # a hash twice in the store
+        self._stored_some(event, lane, live, chained)
 
-    def _live(self, event: BlockStored, parent: BlockHash) -> bool:
-        """Whether a store's parent is live in its group, on any medium (a copy on another
-        tier counts), or need not be (a sliding-window group's)."""
+    def _keys(self, lane: Lane, hashes: list[BlockHash]) -> list[BlockKey]:
+        number = self._lane_no[lane]
+        return hashes if number == 0 else [(number, h) for h in hashes]  # type: ignore[return-value]
+
+    def _parent_live(self, event: BlockStored, parent: BlockHash) -> bool:
+        """Whether a store's parent is live in its group on another medium (a copy on
+        another tier counts), or need not be (a sliding-window group's)."""
         if (
             event.kv_cache_spec_kind is not None
             and event.kv_cache_spec_kind not in FULL_ATTENTION_KINDS
         ):
             return True
         group = event.group_idx
-        return any(parent in ids for (g, _), ids in self._ids.items() if g == group)
+        return any(parent in live for (g, _), live in self._live.items() if g == group)
 
-    def _stored_some(self, event: BlockStored, ids: dict[BlockHash, int], chained: bool) -> None:
+    def _stored_some(
+        self, event: BlockStored, lane: Lane, live: dict[BlockHash, BlockStored], chained: bool
+    ) -> None:
         """A store some of whose blocks are live already (vLLM republishes the blocks a prefix
         hit reuses), under a parent that is not live, or past max_blocks: its new blocks go
         out as runs."""
         hashes = event.block_hashes
         run_start: int | None = None
-        live = len(self._block)
+        count = len(self.record)
         for i, block_hash in enumerate(hashes):
-            duplicate = block_hash in ids
-            if duplicate or not chained or live >= self._max_blocks:
+            duplicate = block_hash in live
+            if duplicate or not chained or count >= self._max_blocks:
                 if duplicate:
                     self.duplicates += 1
                 elif not chained:
@@ -282,76 +307,85 @@ class Relay:
                     self.over_limit += 1
                 chained = duplicate  # the next block hangs under this one
                 if run_start is not None:
-                    self._publish_run(event, run_start, i)
+                    self._publish_run(event, lane, live, run_start, i)
                     run_start = None
                 continue
             if run_start is None:
                 run_start = i
-            ids[block_hash] = self._next_id
-            self._next_id += 1
-            live += 1
+            live[block_hash] = event  # the run's own store, once the run ends
+            count += 1
         if run_start is not None:
-            self._publish_run(event, run_start, len(hashes))
+            self._publish_run(event, lane, live, run_start, len(hashes))
 
-    def _publish_run(self, event: BlockStored, start: int, end: int) -> None:
+    def _publish_run(
+        self,
+        event: BlockStored,
+        lane: Lane,
+        live: dict[BlockHash, BlockStored],
+        start: int,
+        end: int,
+    ) -> None:
         size, extra, hashes = event.block_size, event.extra_keys, event.block_hashes
-        run = msgspec.structs.replace(
+        run = plain_store(
             event,
             block_hashes=hashes[start:end],
             parent_block_hash=event.parent_block_hash if start == 0 else hashes[start - 1],
-            token_ids=event.token_ids[start * size : end * size],
+            token_ids=token_list(event.token_ids)[start * size : end * size],
             extra_keys=None if extra is None else extra[start:end],
         )
-        new_ids = list(range(self._next_id - (end - start), self._next_id))
-        # Ids were taken in order while the run grew: they are the last ones handed out.
-        self._publish(run, new_ids)
+        live.update(zip(run.block_hashes, repeat(run)))
+        self.record.add(self._keys(lane, run.block_hashes))
+        self.sink.relayed(run, end - start)
 
-    def _publish(self, event: BlockStored, new_ids: list[int]) -> None:
-        """Keep the store's blocks (ids in its order) and capture it."""
-        self._block.update(zip(new_ids, zip(repeat(event), range(len(new_ids))), strict=True))
-        self.record.add(new_ids)
-        self.sink.relayed(event, len(new_ids))
-
-    def _removed(self, lane: tuple[int | None, str | None] | None, raw: list[BlockHash]) -> None:
-        assert lane is not None
-        ids = self._ids.get(lane)
+    def _removed(self, lane: Lane, raw: list[BlockHash]) -> None:
+        live = self._live.get(lane)
         hashes = self._converted(raw)
-        found: list[int] = []
-        named: list[BlockHash] = []
-        if ids is not None:
-            pop = ids.pop
-            for block_hash in hashes:
-                block_id = pop(block_hash, None)
-                if block_id is not None:
-                    found.append(block_id)
-                    named.append(block_hash)
-        self.unknown_removals += len(hashes) - len(found)
-        if not found:
+        if live is None:
+            self.unknown_removals += len(hashes)
             return
-        named = self.record.discard_named(found, named)
-        block = self._block
-        for block_id in found:
-            del block[block_id]
+        # The record first: a snapshot's open view reads a removed block's store before it
+        # goes. Blocks never stored (or forgotten) are not named.
+        named = self.record.discard_named(self._keys(lane, hashes), hashes)
+        self.unknown_removals += len(hashes) - len(named)
         if named:
+            deque(map(live.__delitem__, named), 0)  # in C: one call per block
             group, medium = lane
             self.sink.relayed(BlockRemoved(named, medium, group), len(named))
 
     # -- snapshots ---------------------------------------------------------------------------
 
-    def block_events(self, block_ids: list[int]) -> list[BlockStored]:
+    def block_events(self, keys: list[BlockKey]) -> list[BlockStored]:
         """The blocks as one-block stores, each with its chain parent's hash."""
+        lanes = list(self._live.values())  # by lane number: the order they appeared
         events = []
-        replace = msgspec.structs.replace
-        for event, i in map(self._block.__getitem__, block_ids):
-            size, extra = event.block_size, event.extra_keys
-            hashes = event.block_hashes
+        tokens: list[int] = []
+        where: dict[BlockHash, int] = {}
+        last: BlockStored | None = None
+        for key in keys:
+            number, block_hash = key if isinstance(key, tuple) else (0, key)
+            event = lanes[number][block_hash]
+            if event is not last:  # a snapshot meets a store's blocks one after the other
+                last, tokens = event, token_list(event.token_ids)
+                where = {h: i for i, h in enumerate(event.block_hashes)}
+            i = where[block_hash]
+            size, extra, hashes = event.block_size, event.extra_keys, event.block_hashes
             events.append(
-                replace(
+                plain_store(
                     event,
-                    block_hashes=[hashes[i]],
+                    block_hashes=[block_hash],
                     parent_block_hash=hashes[i - 1] if i else event.parent_block_hash,
-                    token_ids=event.token_ids[i * size : (i + 1) * size],
+                    token_ids=tokens[i * size : (i + 1) * size],
                     extra_keys=None if extra is None or extra[i] is None else [extra[i]],
                 )
             )
         return events
+
+
+def plain_store(event: BlockStored, **changes: Any) -> BlockStored:
+    """``event`` with ``changes``, as a plain ``BlockStored`` (a ``RelayedStored`` whose token
+    ids are replaced by a list is one)."""
+    if type(event) is BlockStored:
+        return msgspec.structs.replace(event, **changes)
+    fields = msgspec.structs.asdict(event)
+    fields.update(changes)
+    return BlockStored(**fields)

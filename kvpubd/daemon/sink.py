@@ -70,7 +70,7 @@ class GroupLane:
 
     def __init__(self, tag: GroupTag | None) -> None:
         self.tag = tag
-        self.published = PublishedRecord()
+        self.published: PublishedRecord[int] = PublishedRecord()
 
 
 def store_keys(lora_id: int | None, lora_name: str | None, cache_salt: str | None) -> StoreKeys:
@@ -163,11 +163,11 @@ class EventSink:
         self._budget = max_events_per_tick
         # The host tier's published blocks, by slot. Its events are never dropped by the
         # per-tick cap (each follows a pool eviction or a reset, which the cap bounds).
-        self.host_published = PublishedRecord()
+        self.host_published: PublishedRecord[int] = PublishedRecord()
         self.dropped_stored_blocks = 0
 
     @property
-    def published(self) -> PublishedRecord:
+    def published(self) -> PublishedRecord[int]:
         """The pool's published blocks, not yet removed."""
         return self.pool_lane.published
 
@@ -297,7 +297,7 @@ class EventSink:
             self.pending_blocks += len(hashes)
             self._pending.append(BlockRemoved(block_hashes=hashes, medium=self.host_medium))
 
-    def cleared(self, every_tier: bool = True) -> tuple[PublishedRecord, ...]:
+    def cleared(self, every_tier: bool = True) -> tuple[PublishedRecord[int], ...]:
         """Append the reset marker after everything captured; it never counts against the cap.
         Forget what was published (on the host tier too, for ``every_tier``), so a
         repopulated prefix is reported again. Returns the old records, whose deallocation

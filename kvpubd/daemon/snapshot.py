@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -52,11 +52,11 @@ class SnapshotSource(Protocol):
 
     rank: int
 
-    def freeze_published(self) -> tuple[int, list[FrozenView]] | None: ...
+    def freeze_published(self) -> tuple[int, list[FrozenView[Any]]] | None: ...
 
-    def current_records(self) -> list[PublishedRecord]: ...
+    def current_records(self) -> list[PublishedRecord[Any]]: ...
 
-    def block_events(self, tier: int, block_ids: list[int]) -> list[BlockStored]: ...
+    def block_events(self, tier: int, block_ids: list[Any]) -> list[BlockStored]: ...
 
 
 ASSEMBLY_STEP = 1 << 20  # bytes copied per loop turn when a large message is put together
@@ -181,7 +181,9 @@ class SnapshotJob:
                 return Snapshot(self.seq, count, chunks, bodies, nbytes)
             # A reset replaced the record mid-way: build again, on the new state.
 
-    async def _encode(self, views: list[FrozenView]) -> tuple[list[bytes], list[memoryview]] | None:
+    async def _encode(
+        self, views: list[FrozenView[Any]]
+    ) -> tuple[list[bytes], list[memoryview]] | None:
         source = self._source
         # A slice's events are encoded at its end, in one msgspec call with their NumPy token
         # rows (views into the cache: encoded before the loop turns, so no slot is reused

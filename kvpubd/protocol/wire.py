@@ -83,6 +83,38 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 EVENT_TYPES: tuple[type[KVCacheEvent], ...] = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 
+class RelayedStored(BlockStored, tag="BlockStored"):
+    """A store as an engine encoded it (upstream mode): its token ids stay the engine's
+    msgpack array, written back as they came, with no Python int made per token. Encodes
+    exactly as a ``BlockStored`` holding those ids."""
+
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+def token_count(tokens: list[int] | msgspec.Raw) -> int:
+    """How many token ids a store carries (a msgpack array's count, read from its header);
+    ValueError when an encoded one is not an array."""
+    if type(tokens) is not msgspec.Raw:
+        return len(tokens)
+    head = memoryview(tokens)[:5]
+    first = head[0] if len(head) else 0xC1
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F
+    if first == 0xDC and len(head) >= 3:
+        return int.from_bytes(head[1:3], "big")
+    if first == 0xDD and len(head) == 5:
+        return int.from_bytes(head[1:5], "big")
+    raise ValueError("token_ids is not an array")
+
+
+_TOKEN_LIST = msgspec.msgpack.Decoder(list[int])
+
+
+def token_list(tokens: list[int] | msgspec.Raw) -> list[int]:
+    """A store's token ids as a list (decoding an engine's encoded array)."""
+    return _TOKEN_LIST.decode(tokens) if type(tokens) is msgspec.Raw else tokens
+
+
 class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Event]
@@ -112,6 +144,7 @@ def _array_twin(cls: type[KVCacheEvent]) -> type[msgspec.Struct]:
 _ARRAY_LAYOUT: dict[type, tuple[str, int]] = {
     cls: (str(cls.__struct_config__.tag), _array_length(cls)) for cls in EVENT_TYPES
 }
+_ARRAY_LAYOUT[RelayedStored] = _ARRAY_LAYOUT[BlockStored]
 _ARRAY_TWINS = {cls: _array_twin(cls) for cls in EVENT_TYPES}
 _FROM_TWIN = {twin: cls for cls, twin in _ARRAY_TWINS.items()}
 _ArrayEvent = functools.reduce(operator.or_, _ARRAY_TWINS.values())

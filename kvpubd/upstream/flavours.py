@@ -122,11 +122,22 @@ class _Spec:
     strict: Any  # the event union of the common case (integer tokens): the fast path
     lenient: Any  # what the flavour may also send (SGLang's token pairs)
     arrays: Mapping[str, list[str]] | None  # None: no array form
+    # The wire types themselves, token ids kept encoded (None: the flavour's events need
+    # converting): nothing is made per event or per token beyond what msgspec decodes.
+    direct: Any = None
 
 
 _INT = _event_types(int, TokenId)
 _SPECS: dict[Flavour, _Spec] = {
-    "vllm": _Spec(_event_types(int | bytes, TokenId), None, _VLLM_ARRAYS),
+    # vLLM's own maps carry every field the wire types require: they decode straight into
+    # them. Its token ids (ints from its tokenizer, encoded by msgspec from list[int]) are
+    # relayed as they came; that they form an array is checked, their values are not.
+    "vllm": _Spec(
+        _event_types(int | bytes, TokenId),
+        None,
+        _VLLM_ARRAYS,
+        direct=wire.RelayedStored | wire.BlockRemoved | wire.AllBlocksCleared,
+    ),
     "sglang": _Spec(_INT, _event_types(int, TokenOrPair), _SGLANG_ARRAYS),
     "trtllm": _Spec(_INT, None, None),
 }
@@ -151,7 +162,11 @@ class FlavourDecoder:
         default_medium: str | None = "GPU",
         medium_aliases: Mapping[str, str] | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        tokens_encoded: bool = False,
     ) -> None:
+        """``tokens_encoded``: where the flavour allows (vLLM's own maps), decode straight
+        into the wire types with each store's token ids kept as the engine encoded them
+        (``wire.RelayedStored``), for a relay that writes them back unchanged."""
         if flavour not in _SPECS:
             raise ValueError(f"unknown engine flavour {flavour!r} (one of {', '.join(FLAVOURS)})")
         self.flavour = flavour
@@ -162,6 +177,8 @@ class FlavourDecoder:
         strict: Any = self._spec.strict
         self._fast = msgspec.msgpack.Decoder(_envelope(list[strict]))
         self._raw = msgspec.msgpack.Decoder(_envelope(list[Any]))
+        direct: Any = self._spec.direct if tokens_encoded else None
+        self._direct = None if direct is None else msgspec.msgpack.Decoder(_envelope(list[direct]))
 
     def decode(self, payload: bytes) -> UpstreamBatch:
         if len(payload) > self.max_payload_bytes:
@@ -169,14 +186,36 @@ class FlavourDecoder:
                 f"payload of {len(payload)} bytes is over the {self.max_payload_bytes} allowed"
             )
         try:
+            if self._direct is not None:
+                try:
+                    batch: Any = self._direct.decode(payload)
+                    return UpstreamBatch(batch.ts, self._settled(batch.events), batch.rank)
+                except msgspec.ValidationError:
+                    pass  # an older release's form: converted below
             try:
-                batch: Any = self._fast.decode(payload)
+                batch = self._fast.decode(payload)
             except msgspec.ValidationError:
                 batch = self._raw.decode(payload)
                 batch.events = [self._event(obj) for obj in batch.events]
             return UpstreamBatch(batch.ts, [self._canonical(e) for e in batch.events], batch.rank)
-        except (msgspec.DecodeError, RecursionError) as exc:  # ValidationError is a DecodeError
+        except (msgspec.DecodeError, RecursionError, ValueError) as exc:
+            # (ValidationError is a DecodeError; ValueError: token ids that are no array)
             raise UpstreamPayloadError(f"not a {self.flavour} KV-event batch: {exc}") from None
+
+    def _settled(self, events: list[wire.Event]) -> list[wire.Event]:
+        """Events decoded straight into the wire types, with their medium filled (and
+        renamed); ValueError when a store's token ids are not an array."""
+        aliases = self.medium_aliases
+        for event in events:
+            kind = type(event)
+            if kind is wire.AllBlocksCleared:
+                continue
+            medium = event.medium  # type: ignore[union-attr]
+            if medium is None or aliases:
+                event.medium = self._medium(medium)  # type: ignore[union-attr]
+            if kind is wire.RelayedStored:
+                wire.token_count(event.token_ids)  # type: ignore[union-attr]
+        return events
 
     def _event(self, obj: Any) -> Any:
         """One event the fast path refused: an array form, or the flavour's lenient types."""
