@@ -53,8 +53,10 @@ class Rank:
         return self.sink.drain()
 
     def held(self) -> set[Any]:
-        live = list(self.relay.record)
-        return {e.block_hashes[0] for e in self.relay.block_events(live)}
+        held = set()
+        for lane, record in enumerate(self.relay.records):
+            held |= {e.block_hashes[0] for e in self.relay.block_events(lane, list(record))}
+        return held
 
 
 make = Rank
@@ -138,7 +140,7 @@ def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
     rank = make()
     rank.out(stored(1, 2))
     rank.relay.clear(fence=True)
-    assert rank.relay.block_events([]) == [] and len(rank.relay) == 0
+    assert rank.relay.records == [] and len(rank.relay) == 0
     assert any(isinstance(c, dict) and len(c) == 2 for c in rank.retired)
 
 

@@ -446,9 +446,9 @@ class RankPipeline:
 
     def current_records(self) -> list[PublishedRecord[Any]]:
         """The published records: the pool's, then the host tier's, then those of a hybrid
-        cache's other groups (upstream mode: the relay's alone)."""
+        cache's other groups (upstream mode: the relay's, one per lane)."""
         if self.relay is not None:
-            return [self.relay.record]
+            return self.relay.records
         sink = self.sink
         records = [sink.published]
         if self.cache.host is not None:
@@ -459,7 +459,7 @@ class RankPipeline:
         """The stores of the blocks of record ``tier`` (see current_records): its ids are
         slot numbers, or the relay's block keys."""
         if self.relay is not None:
-            return self.relay.block_events(block_ids)
+            return self.relay.block_events(tier, block_ids)
         if tier == 0:
             return self.cache.block_events(block_ids)
         if self.cache.host is not None:

@@ -16,7 +16,8 @@ time while no view is open.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from itertools import repeat
+from itertools import compress, repeat
+from operator import eq
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -141,12 +142,13 @@ class PublishedRecord(Generic[K]):
                 return True
             self._new_log, self._read = [], 0
         new_log, log, entry = self._new_log, self._log, self._entry
-        stop = min(len(log), self._read + step)
-        for position in range(self._read, stop):
-            block_id = log[position]
-            if entry.get(block_id) == position:
-                entry[block_id] = len(new_log)
-                new_log.append(block_id)
+        start, stop = self._read, min(len(log), self._read + step)
+        # In C, no bytecode per entry (it is paid again for every block a busy rank stores):
+        # the current entries of the slice, renumbered in order behind those kept before.
+        chunk = log[start:stop]
+        kept = list(compress(chunk, map(eq, map(entry.get, chunk), range(start, stop))))
+        entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))
+        new_log += kept
         self._read = stop
         if stop < len(log):
             return False

@@ -52,9 +52,17 @@ log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
 Lane = tuple[int | None, str | None]  # group_idx, medium
-# A block's key in the record: its hash in the first lane the engine used (the only one in
-# the common case: no tuple made per block), (lane number, hash) in any other.
-BlockKey = BlockHash | tuple[int, BlockHash]
+
+
+class LaneBlocks:
+    """One lane's live blocks: each one's store (the event that published it) by hash, and
+    their record, in publication order. A block has no object of its own."""
+
+    __slots__ = ("live", "record")
+
+    def __init__(self) -> None:
+        self.live: dict[BlockHash, BlockStored] = {}
+        self.record: PublishedRecord[BlockHash] = PublishedRecord()
 
 
 def hash_converter(hash_format: str) -> Callable[[BlockHash], BlockHash]:
@@ -100,12 +108,9 @@ class Relay:
         # The engine turns a reset into per-block removals (no AllBlocksCleared).
         self._clears_per_block = clears_per_block
         self._clear_timeout = clear_timeout
-        # Every live block (each was published), by key, in publication order.
-        self.record: PublishedRecord[BlockKey] = PublishedRecord()
-        # Per lane (group_idx, medium), in the order the lanes appeared: each live block's
-        # store (the event that published it) by hash. A block has no object of its own.
-        self._live: dict[Lane, dict[BlockHash, BlockStored]] = {}
-        self._lane_no: dict[Lane, int] = {}
+        # Per lane (group_idx, medium), in the order the lanes appeared.
+        self._lanes: dict[Lane, LaneBlocks] = {}
+        self._count = 0  # live blocks, every lane's
         # After a reset: None (not fencing), else the deadline and, for per-block engines,
         # the keys the engine must still remove.
         self._fence_until: float | None = None
@@ -121,7 +126,12 @@ class Relay:
         self.non_dense_blocks = 0
 
     def __len__(self) -> int:
-        return len(self.record)
+        return self._count
+
+    @property
+    def records(self) -> list[PublishedRecord[BlockHash]]:
+        """Each lane's record, in the order the lanes appeared (a snapshot's tiers)."""
+        return [lane.record for lane in self._lanes.values()]
 
     # -- what the control socket does -------------------------------------------------------
 
@@ -129,9 +139,9 @@ class Relay:
         """Forget every block in O(1) (the pipeline publishes the marker); the old containers
         go to the reaper. ``fence``: a reset on the control socket, after which the engine's
         events from before its own clear are dropped (see the module docstring)."""
-        old_live = self._live
-        self._retire(self.record)
-        self.record, self._live, self._lane_no = PublishedRecord(), {}, {}
+        old_live = {lane: blocks.live for lane, blocks in self._lanes.items()}
+        self._retire(*self.records)
+        self._lanes, self._count = {}, 0
         self._end_fence()
         if fence:
             self._fence_until = time.monotonic() + self._clear_timeout
@@ -245,11 +255,10 @@ class Relay:
             # Routers key LoRA blocks by name (Dynamo ignores lora_id): the name kvpubd gives
             # where it owns the pool.
             event = msgspec.structs.replace(event, lora_name=f"lora-{event.lora_id}")
-        lane = (event.group_idx, event.medium)
-        live = self._live.get(lane)
-        if live is None:
-            live = self._live[lane] = {}
-            self._lane_no[lane] = len(self._lane_no)
+        lane = self._lanes.get((event.group_idx, event.medium))
+        if lane is None:
+            lane = self._lanes[event.group_idx, event.medium] = LaneBlocks()
+        live = lane.live
         parent = event.parent_block_hash
         if parent is not None and (hashes is not raw):
             parent = self._hash(parent)
@@ -257,24 +266,17 @@ class Relay:
             event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
         count = len(hashes)
         chained = parent is None or parent in live or self._parent_live(event, parent)
-        if (
-            chained
-            and len(self.record) + count <= self._max_blocks
-            and live.keys().isdisjoint(hashes)
-        ):
+        if chained and self._count + count <= self._max_blocks and live.keys().isdisjoint(hashes):
             # All new (the common case): the event goes out as it came.
             before = len(live)
             live.update(zip(hashes, repeat(event)))
             if len(live) - before == count:
-                self.record.add(self._keys(lane, hashes))
+                lane.record.add(hashes)
+                self._count += count
                 self.sink.relayed(event, count)
                 return
             deque(map(live.pop, hashes, repeat(None)), 0)  # a hash twice in the store
-        self._stored_some(event, lane, live, chained)
-
-    def _keys(self, lane: Lane, hashes: list[BlockHash]) -> list[BlockKey]:
-        number = self._lane_no[lane]
-        return hashes if number == 0 else [(number, h) for h in hashes]  # type: ignore[return-value]
+        self._stored_some(event, lane, chained)
 
     def _parent_live(self, event: BlockStored, parent: BlockHash) -> bool:
         """Whether a store's parent is live in its group on another medium (a copy on
@@ -285,17 +287,15 @@ class Relay:
         ):
             return True
         group = event.group_idx
-        return any(parent in live for (g, _), live in self._live.items() if g == group)
+        return any(parent in blocks.live for (g, _), blocks in self._lanes.items() if g == group)
 
-    def _stored_some(
-        self, event: BlockStored, lane: Lane, live: dict[BlockHash, BlockStored], chained: bool
-    ) -> None:
+    def _stored_some(self, event: BlockStored, lane: LaneBlocks, chained: bool) -> None:
         """A store some of whose blocks are live already (vLLM republishes the blocks a prefix
         hit reuses), under a parent that is not live, or past max_blocks: its new blocks go
         out as runs."""
-        hashes = event.block_hashes
+        hashes, live = event.block_hashes, lane.live
         run_start: int | None = None
-        count = len(self.record)
+        count = self._count
         for i, block_hash in enumerate(hashes):
             duplicate = block_hash in live
             if duplicate or not chained or count >= self._max_blocks:
@@ -307,7 +307,7 @@ class Relay:
                     self.over_limit += 1
                 chained = duplicate  # the next block hangs under this one
                 if run_start is not None:
-                    self._publish_run(event, lane, live, run_start, i)
+                    self._publish_run(event, lane, run_start, i)
                     run_start = None
                 continue
             if run_start is None:
@@ -315,16 +315,9 @@ class Relay:
             live[block_hash] = event  # the run's own store, once the run ends
             count += 1
         if run_start is not None:
-            self._publish_run(event, lane, live, run_start, len(hashes))
+            self._publish_run(event, lane, run_start, len(hashes))
 
-    def _publish_run(
-        self,
-        event: BlockStored,
-        lane: Lane,
-        live: dict[BlockHash, BlockStored],
-        start: int,
-        end: int,
-    ) -> None:
+    def _publish_run(self, event: BlockStored, lane: LaneBlocks, start: int, end: int) -> None:
         size, extra, hashes = event.block_size, event.extra_keys, event.block_hashes
         run = plain_store(
             event,
@@ -333,37 +326,39 @@ class Relay:
             token_ids=token_list(event.token_ids)[start * size : end * size],
             extra_keys=None if extra is None else extra[start:end],
         )
-        live.update(zip(run.block_hashes, repeat(run)))
-        self.record.add(self._keys(lane, run.block_hashes))
+        lane.live.update(zip(run.block_hashes, repeat(run)))
+        lane.record.add(run.block_hashes)
+        self._count += end - start
         self.sink.relayed(run, end - start)
 
     def _removed(self, lane: Lane, raw: list[BlockHash]) -> None:
-        live = self._live.get(lane)
+        blocks = self._lanes.get(lane)
         hashes = self._converted(raw)
-        if live is None:
+        if blocks is None:
             self.unknown_removals += len(hashes)
             return
         # The record first: a snapshot's open view reads a removed block's store before it
         # goes. Blocks never stored (or forgotten) are not named.
-        named = self.record.discard_named(self._keys(lane, hashes), hashes)
+        named = blocks.record.discard_named(hashes, hashes)
         self.unknown_removals += len(hashes) - len(named)
         if named:
-            deque(map(live.__delitem__, named), 0)  # in C: one call per block
+            deque(map(blocks.live.__delitem__, named), 0)  # in C: one call per block
+            self._count -= len(named)
             group, medium = lane
             self.sink.relayed(BlockRemoved(named, medium, group), len(named))
 
     # -- snapshots ---------------------------------------------------------------------------
 
-    def block_events(self, keys: list[BlockKey]) -> list[BlockStored]:
-        """The blocks as one-block stores, each with its chain parent's hash."""
-        lanes = list(self._live.values())  # by lane number: the order they appeared
+    def block_events(self, lane: int, hashes: list[BlockHash]) -> list[BlockStored]:
+        """Blocks of the ``lane``-th lane (see records) as one-block stores, each with its
+        chain parent's hash."""
+        live = list(self._lanes.values())[lane].live
         events = []
         tokens: list[int] = []
         where: dict[BlockHash, int] = {}
         last: BlockStored | None = None
-        for key in keys:
-            number, block_hash = key if isinstance(key, tuple) else (0, key)
-            event = lanes[number][block_hash]
+        for block_hash in hashes:
+            event = live[block_hash]
             if event is not last:  # a snapshot meets a store's blocks one after the other
                 last, tokens = event, token_list(event.token_ids)
                 where = {h: i for i, h in enumerate(event.block_hashes)}
