@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpubd.daemon.published import FrozenView, PublishedRecord
+from kvpubd.daemon.published import FrozenView, PublishedRecord, ValuedRecord
 
 
 class Model:
@@ -134,3 +134,51 @@ def test_random_histories(data: st.DataObject) -> None:
     while not model.record.compact_some():
         pass
     assert list(model.record) == list(model.live)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_a_valued_record_finds_each_blocks_value_through_compaction_and_views(
+    data: st.DataObject,
+) -> None:
+    """The relay's record: add_valued publishes a run of new, distinct ids or changes
+    nothing; value() finds each live block's value, also while a compaction is half done;
+    a view captures a removed block's value through value() (so before it goes)."""
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    record: ValuedRecord[int, str] = ValuedRecord()
+    live: dict[int, str] = {}  # id -> value, in publication order
+    views: list[tuple[FrozenView[int], list[tuple[int, str]]]] = []
+    stores = 0
+    for _ in range(data.draw(st.integers(1, 300))):
+        action = rng.random()
+        if action < 0.45:
+            run = [rng.randrange(48) for _ in range(rng.randint(1, 4))]
+            stores += 1
+            value = f"store {stores}"
+            fresh = len(set(run)) == len(run) and not live.keys() & set(run)
+            assert record.add_valued(run, value) is fresh
+            if fresh:
+                live.update(dict.fromkeys(run, value))
+        elif action < 0.75 and live:
+            block_id = rng.choice(list(live))
+            assert record.discard_named([block_id], [block_id]) == [block_id]
+            del live[block_id]
+        elif action < 0.82:
+            view = record.freeze(record.value)
+            if view is not None:
+                views.append((view, list(live.items())))
+        elif action < 0.88 and views:
+            view, expected = views.pop(rng.randrange(len(views)))
+            got = []
+            while not view.finished:
+                got += [(b, s if s is not None else record.value(b)) for b, s in view.take(3)]
+            assert got == expected
+            view.close()
+        else:
+            record.compact_some(step=rng.randint(1, 20))
+        assert {b: record.value(b) for b in live} == live
+    for view, _ in views:
+        view.close()
+    while not record.compact_some(step=7):
+        assert {b: record.value(b) for b in live} == live
+    assert list(record) == list(live)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpubd.daemon.published import ValuedRecord
 from kvpubd.daemon.relay import Relay
 from kvpubd.daemon.sink import EventSink
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -141,7 +142,7 @@ def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
     rank.out(stored(1, 2))
     rank.relay.clear(fence=True)
     assert rank.relay.records == [] and len(rank.relay) == 0
-    assert any(isinstance(c, dict) and len(c) == 2 for c in rank.retired)
+    assert any(isinstance(c, ValuedRecord) and len(c) == 2 for c in rank.retired)
 
 
 def test_a_lora_store_without_its_name_is_published_with_the_name_kvpubd_gives() -> None:

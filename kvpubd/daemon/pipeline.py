@@ -448,7 +448,7 @@ class RankPipeline:
         """The published records: the pool's, then the host tier's, then those of a hybrid
         cache's other groups (upstream mode: the relay's, one per lane)."""
         if self.relay is not None:
-            return self.relay.records
+            return list(self.relay.records)
         sink = self.sink
         records = [sink.published]
         if self.cache.host is not None:

@@ -15,6 +15,7 @@ time while no view is open.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import eq
@@ -23,6 +24,7 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 # A block's id: the pool's slot number; the relay keys its blocks by the engine's hashes.
 K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 COMPACT_SLACK = 4096  # stale log entries tolerated beyond the live count before compacting
 COMPACT_STEP = 20_000  # log entries compacted per call
@@ -99,11 +101,12 @@ class PublishedRecord(Generic[K]):
 
     def discard(self, block_id: K) -> bool:
         """Forget a published block; False when it was not published."""
-        position = self._entry.pop(block_id, None)
+        position = self._entry.get(block_id)
         if position is None:
             return False
-        for view in self._views:
+        for view in self._views:  # while the block is still here to capture
             view.removed(position, block_id)
+        del self._entry[block_id]
         return True
 
     def discard_named(self, block_ids: Sequence[K], names: list[T]) -> list[T]:
@@ -146,17 +149,77 @@ class PublishedRecord(Generic[K]):
         # In C, no bytecode per entry (it is paid again for every block a busy rank stores):
         # the current entries of the slice, renumbered in order behind those kept before.
         chunk = log[start:stop]
-        kept = list(compress(chunk, map(eq, map(entry.get, chunk), range(start, stop))))
+        current = list(map(eq, map(entry.get, chunk), range(start, stop)))
+        kept = list(compress(chunk, current))
         entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))
         new_log += kept
+        self._moved(start, stop, current)
         self._read = stop
         if stop < len(log):
             return False
         self._log, self._new_log = new_log, None
+        self._moved_all()
         return True
+
+    def _moved(self, start: int, stop: int, current: list[bool]) -> None:
+        """Compaction moved the ``current`` entries of log[start:stop] (for a subclass that
+        keeps more per entry)."""
+
+    def _moved_all(self) -> None:
+        """Compaction finished: the new log is the log."""
+
+    def close_views(self) -> None:
+        for view in list(self._views):
+            view.close()
 
     def reapable(self) -> tuple[Any, ...]:
         """The containers the reaper frees piecemeal once this record is retired."""
-        for view in list(self._views):
-            view.close()
+        self.close_views()
         return (self._entry, self._log)
+
+
+class ValuedRecord(PublishedRecord[K], Generic[K, V]):
+    """A record that also keeps a value with each block, found by the block's id: the
+    relay's, whose blocks have no object of their own, keeps the store that published each.
+    Blocks are published through ``add_valued`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._values: list[V] = []  # by log position
+        self._new_values: list[V] = []  # the new log's, while a compaction is under way
+
+    def add_valued(self, block_ids: Sequence[K], value: V) -> bool:
+        """Publish blocks, all with ``value``, if none is published already nor repeats
+        (True); else change nothing (False). In C: no bytecode per block."""
+        entry, count = self._entry, len(block_ids)
+        if not entry.keys().isdisjoint(block_ids):
+            return False
+        before = len(entry)
+        self.add(block_ids)
+        if len(entry) - before != count:  # one repeats: undo (all were new)
+            deque(map(entry.pop, block_ids, repeat(None)), 0)
+            del self._log[len(self._log) - count :]
+            return False
+        self._values.extend(repeat(value, count))
+        return True
+
+    def value(self, block_id: K) -> V:
+        position = self._entry[block_id]
+        # While a compaction is under way, an entry it moved is numbered in the new log,
+        # below where it has read; one it has not, at or past that.
+        if self._new_log is not None and position < self._read:
+            return self._new_values[position]
+        return self._values[position]
+
+    def forget(self, block_ids: Sequence[K]) -> None:
+        """Drop blocks without telling views (a record no snapshot reads any more)."""
+        deque(map(self._entry.pop, block_ids, repeat(None)), 0)
+
+    def _moved(self, start: int, stop: int, current: list[bool]) -> None:
+        self._new_values += compress(self._values[start:stop], current)
+
+    def _moved_all(self) -> None:
+        self._values, self._new_values = self._new_values, []
+
+    def reapable(self) -> tuple[Any, ...]:
+        return (*super().reapable(), self._values, self._new_values)

@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from collections.abc import Callable
-from itertools import repeat
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from kvpubd.daemon.published import PublishedRecord
+from kvpubd.daemon.published import ValuedRecord
 from kvpubd.daemon.sink import EventSink
 from kvpubd.protocol.wire import (
     FULL_ATTENTION_KINDS,
@@ -52,17 +50,9 @@ log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
 Lane = tuple[int | None, str | None]  # group_idx, medium
-
-
-class LaneBlocks:
-    """One lane's live blocks: each one's store (the event that published it) by hash, and
-    their record, in publication order. A block has no object of its own."""
-
-    __slots__ = ("live", "record")
-
-    def __init__(self) -> None:
-        self.live: dict[BlockHash, BlockStored] = {}
-        self.record: PublishedRecord[BlockHash] = PublishedRecord()
+# One lane's live blocks by hash, in publication order, each with the store that published
+# it: a block has no object of its own.
+LaneRecord = ValuedRecord[BlockHash, BlockStored]
 
 
 def hash_converter(hash_format: str) -> Callable[[BlockHash], BlockHash]:
@@ -109,13 +99,13 @@ class Relay:
         self._clears_per_block = clears_per_block
         self._clear_timeout = clear_timeout
         # Per lane (group_idx, medium), in the order the lanes appeared.
-        self._lanes: dict[Lane, LaneBlocks] = {}
+        self._lanes: dict[Lane, LaneRecord] = {}
         self._count = 0  # live blocks, every lane's
         # After a reset: None (not fencing), else the deadline and, for per-block engines,
         # the keys the engine must still remove.
         self._fence_until: float | None = None
         # A per-block engine's blocks at the reset, per lane, that it must still remove.
-        self._fenced_keys: dict[Lane, dict[BlockHash, BlockStored]] = {}
+        self._fenced_lanes: dict[Lane, LaneRecord] = {}
         self.dropped_by_reset = 0  # engine events dropped as from before its clear
         self.fences_timed_out = 0
         self.duplicates = 0  # blocks stored again while live, not repeated
@@ -129,9 +119,9 @@ class Relay:
         return self._count
 
     @property
-    def records(self) -> list[PublishedRecord[BlockHash]]:
+    def records(self) -> Sequence[LaneRecord]:
         """Each lane's record, in the order the lanes appeared (a snapshot's tiers)."""
-        return [lane.record for lane in self._lanes.values()]
+        return list(self._lanes.values())
 
     # -- what the control socket does -------------------------------------------------------
 
@@ -139,20 +129,21 @@ class Relay:
         """Forget every block in O(1) (the pipeline publishes the marker); the old containers
         go to the reaper. ``fence``: a reset on the control socket, after which the engine's
         events from before its own clear are dropped (see the module docstring)."""
-        old_live = {lane: blocks.live for lane, blocks in self._lanes.items()}
-        self._retire(*self.records)
+        old = self._lanes
         self._lanes, self._count = {}, 0
         self._end_fence()
         if fence:
             self._fence_until = time.monotonic() + self._clear_timeout
             if self._clears_per_block:
-                # What the engine must remove (retired after); holding nothing, it has
+                # What the engine must remove (retired once it has); holding nothing, it has
                 # nothing to remove: no fence.
-                self._fenced_keys = {lane: live for lane, live in old_live.items() if live}
-                if not self._fenced_keys:
+                self._fenced_lanes = {lane: record for lane, record in old.items() if len(record)}
+                for record in self._fenced_lanes.values():
+                    record.close_views()  # no snapshot reads it any more
+                if not self._fenced_lanes:
                     self._fence_until = None
                 return
-        self._retire(*old_live.values())
+        self._retire(*old.values())
 
     @property
     def fencing(self) -> bool:
@@ -215,21 +206,20 @@ class Relay:
         if isinstance(event, AllBlocksCleared) and not self._clears_per_block:
             self._end_fence()  # the engine's clear: what follows is after it
         elif isinstance(event, BlockRemoved) and self._clears_per_block:
-            lane, fenced = (event.group_idx, event.medium), self._fenced_keys
+            lane, fenced = (event.group_idx, event.medium), self._fenced_lanes
             held = fenced.get(lane)
             if held is not None:
-                for block_hash in self._converted(event.block_hashes):
-                    held.pop(block_hash, None)
-                if not held:
-                    del fenced[lane]
+                held.forget(self._converted(event.block_hashes))
+                if not len(held):
+                    self._retire(fenced.pop(lane))
             if not fenced:
                 self._end_fence()
 
     def _end_fence(self) -> None:
         self._fence_until = None
-        if self._fenced_keys:
-            self._retire(*self._fenced_keys.values())
-        self._fenced_keys = {}
+        if self._fenced_lanes:
+            self._retire(*self._fenced_lanes.values())
+        self._fenced_lanes = {}
 
     def _engine_cleared(self) -> None:
         self._on_engine_clear()
@@ -255,28 +245,22 @@ class Relay:
             # Routers key LoRA blocks by name (Dynamo ignores lora_id): the name kvpubd gives
             # where it owns the pool.
             event = msgspec.structs.replace(event, lora_name=f"lora-{event.lora_id}")
-        lane = self._lanes.get((event.group_idx, event.medium))
-        if lane is None:
-            lane = self._lanes[event.group_idx, event.medium] = LaneBlocks()
-        live = lane.live
+        record = self._lanes.get((event.group_idx, event.medium))
+        if record is None:
+            record = self._lanes[event.group_idx, event.medium] = ValuedRecord()
         parent = event.parent_block_hash
         if parent is not None and (hashes is not raw):
             parent = self._hash(parent)
         if hashes is not raw or parent is not event.parent_block_hash:
             event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
         count = len(hashes)
-        chained = parent is None or parent in live or self._parent_live(event, parent)
-        if chained and self._count + count <= self._max_blocks and live.keys().isdisjoint(hashes):
+        chained = parent is None or parent in record or self._parent_live(event, parent)
+        if chained and self._count + count <= self._max_blocks and record.add_valued(hashes, event):
             # All new (the common case): the event goes out as it came.
-            before = len(live)
-            live.update(zip(hashes, repeat(event)))
-            if len(live) - before == count:
-                lane.record.add(hashes)
-                self._count += count
-                self.sink.relayed(event, count)
-                return
-            deque(map(live.pop, hashes, repeat(None)), 0)  # a hash twice in the store
-        self._stored_some(event, lane, chained)
+            self._count += count
+            self.sink.relayed(event, count)
+            return
+        self._stored_some(event, record, chained)
 
     def _parent_live(self, event: BlockStored, parent: BlockHash) -> bool:
         """Whether a store's parent is live in its group on another medium (a copy on
@@ -287,17 +271,18 @@ class Relay:
         ):
             return True
         group = event.group_idx
-        return any(parent in blocks.live for (g, _), blocks in self._lanes.items() if g == group)
+        return any(parent in record for (g, _), record in self._lanes.items() if g == group)
 
-    def _stored_some(self, event: BlockStored, lane: LaneBlocks, chained: bool) -> None:
+    def _stored_some(self, event: BlockStored, record: LaneRecord, chained: bool) -> None:
         """A store some of whose blocks are live already (vLLM republishes the blocks a prefix
         hit reuses), under a parent that is not live, or past max_blocks: its new blocks go
         out as runs."""
-        hashes, live = event.block_hashes, lane.live
+        hashes = event.block_hashes
         run_start: int | None = None
         count = self._count
+        seen: set[BlockHash] = set()  # earlier in this store
         for i, block_hash in enumerate(hashes):
-            duplicate = block_hash in live
+            duplicate = block_hash in record or block_hash in seen
             if duplicate or not chained or count >= self._max_blocks:
                 if duplicate:
                     self.duplicates += 1
@@ -307,17 +292,17 @@ class Relay:
                     self.over_limit += 1
                 chained = duplicate  # the next block hangs under this one
                 if run_start is not None:
-                    self._publish_run(event, lane, run_start, i)
+                    self._publish_run(event, record, run_start, i)
                     run_start = None
                 continue
             if run_start is None:
                 run_start = i
-            live[block_hash] = event  # the run's own store, once the run ends
+            seen.add(block_hash)
             count += 1
         if run_start is not None:
-            self._publish_run(event, lane, run_start, len(hashes))
+            self._publish_run(event, record, run_start, len(hashes))
 
-    def _publish_run(self, event: BlockStored, lane: LaneBlocks, start: int, end: int) -> None:
+    def _publish_run(self, event: BlockStored, record: LaneRecord, start: int, end: int) -> None:
         size, extra, hashes = event.block_size, event.extra_keys, event.block_hashes
         run = plain_store(
             event,
@@ -326,23 +311,21 @@ class Relay:
             token_ids=token_list(event.token_ids)[start * size : end * size],
             extra_keys=None if extra is None else extra[start:end],
         )
-        lane.live.update(zip(run.block_hashes, repeat(run)))
-        lane.record.add(run.block_hashes)
+        added = record.add_valued(run.block_hashes, run)
+        assert added, "a run holds new blocks only"
         self._count += end - start
         self.sink.relayed(run, end - start)
 
     def _removed(self, lane: Lane, raw: list[BlockHash]) -> None:
-        blocks = self._lanes.get(lane)
+        record = self._lanes.get(lane)
         hashes = self._converted(raw)
-        if blocks is None:
+        if record is None:
             self.unknown_removals += len(hashes)
             return
-        # The record first: a snapshot's open view reads a removed block's store before it
-        # goes. Blocks never stored (or forgotten) are not named.
-        named = blocks.record.discard_named(hashes, hashes)
+        # Blocks never stored (or forgotten) are not named.
+        named = record.discard_named(hashes, hashes)
         self.unknown_removals += len(hashes) - len(named)
         if named:
-            deque(map(blocks.live.__delitem__, named), 0)  # in C: one call per block
             self._count -= len(named)
             group, medium = lane
             self.sink.relayed(BlockRemoved(named, medium, group), len(named))
@@ -352,13 +335,13 @@ class Relay:
     def block_events(self, lane: int, hashes: list[BlockHash]) -> list[BlockStored]:
         """Blocks of the ``lane``-th lane (see records) as one-block stores, each with its
         chain parent's hash."""
-        live = list(self._lanes.values())[lane].live
+        store_of = list(self._lanes.values())[lane].value
         events = []
         tokens: list[int] = []
         where: dict[BlockHash, int] = {}
         last: BlockStored | None = None
         for block_hash in hashes:
-            event = live[block_hash]
+            event = store_of(block_hash)
             if event is not last:  # a snapshot meets a store's blocks one after the other
                 last, tokens = event, token_list(event.token_ids)
                 where = {h: i for i, h in enumerate(event.block_hashes)}
