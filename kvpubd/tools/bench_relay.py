@@ -12,8 +12,12 @@ kvpubd's (relay_subscriber) decode every batch with vLLM's types. Three phases:
 - paced: ``paced_batches`` batches ``paced_interval_ms`` apart, the same figures for an engine
   that is not saturated;
 - resets: with the engine idle, reset sent -> AllBlocksCleared received on kvpubd's stream
-  (after a reset kvpubd drops the engine's events until its own clear, which this engine never
-  sends: the resets come last).
+  (kvpubd calls the engine's reset endpoint, whose clear the idle engine sends with its next
+  batch, as vLLM's does);
+- resets while saturated: the same while the engine publishes as fast as it can (the
+  subscriber processes are gone by then). After each, kvpubd drops the engine's events until
+  the engine's own clear comes, with its next batch; the next reset waits until kvpubd
+  republishes the engine's events again.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class _Children:
     """The engine and both subscribers, each in a process of its own."""
 
     def __init__(
-        self, stack: ExitStack, kv_path: Path, shape: Shape, engine: tuple[str, str]
+        self, stack: ExitStack, kv_path: Path, shape: Shape, engine: tuple[str, str, int]
     ) -> None:
         self.engine = start_child(stack, run_engine, str(kv_path), *engine, shape)
         answer(self.engine, "the engine")  # bound
@@ -139,9 +143,14 @@ class _Children:
         }
         return started, tallies
 
-    def close(self) -> None:
-        for pipe in (self.engine, *self.subscribers.values()):
+    def close_subscribers(self) -> None:
+        for pipe in self.subscribers.values():
             pipe.send(None)
+        self.subscribers = {}
+
+    def close(self) -> None:
+        self.close_subscribers()
+        self.engine.send(None)
 
 
 def measure_relay(
@@ -152,14 +161,16 @@ def measure_relay(
     paced_interval_ms: float,
     resets: int,
     idle_ms: float,
+    saturated_resets: int = 0,
 ) -> dict[str, Any]:
-    pub_port, replay_port = free_tcp_ports(2)
-    engine = (f"tcp://*:{pub_port}", f"tcp://*:{replay_port}")
+    pub_port, replay_port, reset_port = free_tcp_ports(3)
+    engine = (f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", reset_port)
     overrides: dict[str, dict[str, Any]] = {
         "upstream": {
             "flavour": "vllm",
             "endpoint": f"tcp://127.0.0.1:{pub_port}",
             "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+            "reset_url": f"http://127.0.0.1:{reset_port}/reset_prefix_cache",
         },
         "service": {"log_level": "warning"},
     }
@@ -190,6 +201,11 @@ def measure_relay(
             }
         if resets:
             result["resets"] = _time_resets(daemon, resets, idle_ms)
+        if saturated_resets:
+            during = range(batches + paced_batches, 2 * batches + paced_batches)
+            result["saturated_resets"] = _time_saturated_resets(
+                children, daemon, during, saturated_resets
+            )
         children.close()
     return result
 
@@ -208,6 +224,30 @@ def _time_resets(daemon: DaemonProcess, resets: int, idle_ms: float) -> dict[str
     finally:
         probe.close()
     return {**summary(markers), "reply": summary(replies)}
+
+
+def _time_saturated_resets(
+    children: _Children, daemon: DaemonProcess, batches: range, resets: int
+) -> dict[str, Any]:
+    """Reset sent -> AllBlocksCleared received on kvpubd's stream while the engine publishes
+    ``batches`` as fast as it can: up to ``resets``, each once kvpubd relays again."""
+    probe = ResetProbe(daemon)
+    markers: list[int] = []
+    replies: list[int] = []
+    try:
+        probe.wait_connected()
+        children.close_subscribers()  # nobody left to read their streams
+        children.engine.send(("run", batches.start, len(batches), 0.0))
+        while len(markers) < resets and not (markers and children.engine.poll(0)):
+            if not probe.wait_relaying(timeout=5.0):
+                break  # the engine has finished
+            marker, reply = probe.time_reset()
+            markers.append(marker)
+            replies.append(reply)
+        answer(children.engine, "the engine", PHASE_TIMEOUT_S)
+    finally:
+        probe.close()
+    return {**summary(markers), "reply": summary(replies), "engine_batches": len(batches)}
 
 
 def bench_relay(
@@ -234,6 +274,13 @@ def bench_relay(
         int, typer.Option(help="Resets timed last, the engine idle (0: none).")
     ] = 200,
     idle_ms: Annotated[float, typer.Option(help="Quiet time before each reset.")] = 20.0,
+    saturated_resets: Annotated[
+        int,
+        typer.Option(
+            help="Then resets timed while the engine publishes --batches more as fast as it "
+            "can (0: none)."
+        ),
+    ] = 50,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -254,8 +301,8 @@ def bench_relay(
         ("--engine-pool-blocks", engine_pool_blocks),
     ):
         check_positive(option, value, integer=True)
-    if paced_batches < 0 or resets < 0:
-        raise fail("--paced-batches and --resets: a whole number >= 0", USAGE)
+    if paced_batches < 0 or resets < 0 or saturated_resets < 0:
+        raise fail("--paced-batches, --resets and --saturated-resets: a whole number >= 0", USAGE)
     if paced_batches:
         check_positive("--paced-interval-ms", paced_interval_ms)
     if not 0 <= idle_ms < float("inf"):
@@ -273,7 +320,14 @@ def bench_relay(
     shape = Shape(stores_per_batch, blocks_per_store, block_size, engine_pool_blocks)
     with err.status(f"engine -> kvpubd: {batches} batches saturated, {paced_batches} paced"):
         result = measure_relay(
-            path, batches, shape, paced_batches, paced_interval_ms, resets, idle_ms
+            path,
+            batches,
+            shape,
+            paced_batches,
+            paced_interval_ms,
+            resets,
+            idle_ms,
+            saturated_resets,
         )
     if as_json:
         typer.echo(json.dumps(result))
@@ -332,4 +386,11 @@ def _print(result: dict[str, Any]) -> None:
             f"reset -> AllBlocksCleared on kvpubd's stream (engine idle), n = {resets['n']}: "
             f"p50 {resets['p50_us'] / 1000:.2f} ms, p99 {resets['p99_us'] / 1000:.2f} ms, "
             f"max {resets['max_us'] / 1000:.2f} ms (target p99 <= 5 ms)"
+        )
+    busy = result.get("saturated_resets")
+    if busy and busy.get("n"):
+        Console().print(
+            f"reset -> AllBlocksCleared on kvpubd's stream (engine saturated), n = {busy['n']}: "
+            f"p50 {busy['p50_us'] / 1000:.2f} ms, p99 {busy['p99_us'] / 1000:.2f} ms, "
+            f"max {busy['max_us'] / 1000:.2f} ms"
         )

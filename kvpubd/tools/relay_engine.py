@@ -7,12 +7,17 @@ many of the oldest blocks as it stores, each in a BlockRemoved of its own, as vL
 reports evictions. Every block hash is new (a bijection of the block's global index below
 ``WARM_HASHES``), so kvpubd's relay republishes every event as it came; warm-up batches store
 one block each at ``WARM_HASHES + k``, which the subscribers leave out.
+
+It also serves vLLM's ``POST /reset_prefix_cache`` on ``reset_port``, as vLLM does: the engine's
+``AllBlocksCleared`` goes out with its next batch (never while it is idle).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +111,29 @@ def build_batches(kv: Any, shape: Shape, batches: range, seed: int = 0) -> list[
     return out
 
 
-def run_engine(kv_path: str, endpoint: str, replay_endpoint: str, shape: Shape, pipe: Any) -> None:
+def _serve_resets(port: int) -> threading.Event:
+    """vLLM's reset endpoint in a thread; the event is set by each reset until the next batch
+    takes it."""
+    asked = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            asked.set()
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, name="engine resets", daemon=True).start()
+    return asked
+
+
+def run_engine(
+    kv_path: str, endpoint: str, replay_endpoint: str, reset_port: int, shape: Shape, pipe: Any
+) -> None:
     """The engine process. Commands on ``pipe``: ``("warm",)`` publishes one warm-up batch;
     ``("run", first, count, interval_s)`` builds batches ``first .. first + count - 1``, then
     publishes them (``interval_s`` apart, 0: as fast as it can) and answers the clock's
@@ -117,6 +144,7 @@ def run_engine(kv_path: str, endpoint: str, replay_endpoint: str, shape: Shape, 
     publisher = kv.ZmqEventPublisher(
         data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay_endpoint
     )
+    reset_asked = _serve_resets(reset_port)
     warm = 0
     pipe.send("ready")
     while (command := pipe.recv()) is not None:
@@ -139,6 +167,9 @@ def run_engine(kv_path: str, endpoint: str, replay_endpoint: str, shape: Shape, 
         started = now_ns()
         for batch in batches:
             batch.ts = time.time()
+            if reset_asked.is_set():  # the step after a reset starts with its clear
+                reset_asked.clear()
+                batch.events.insert(0, kv.AllBlocksCleared())
             publisher.publish(batch)
             if interval_s:
                 time.sleep(interval_s)  # the pace of an engine that is not saturated
