@@ -119,21 +119,33 @@ class InProcess:
         raise AssertionError("the subscriber never received a marker")
 
 
-def settings(tmp_path: Path, num_blocks: int, host_blocks: int = 0, **control: Any) -> Settings:
+def settings(
+    tmp_path: Path,
+    num_blocks: int,
+    host_blocks: int = 0,
+    upstream: dict[str, Any] | None = None,
+    **control: Any,
+) -> Settings:
     return Settings(
         events={"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
         control={"endpoint": f"ipc://{tmp_path}/ctl", **control},
         cache={**TINY, "num_blocks": num_blocks, "host_blocks": host_blocks},
         service={"linger_ms": 0},
+        upstream=upstream or {},
     )
 
 
 @asynccontextmanager
 async def in_process(
-    tmp_path: Path, num_blocks: int, host_blocks: int = 0, **control: Any
+    tmp_path: Path,
+    num_blocks: int,
+    host_blocks: int = 0,
+    upstream: dict[str, Any] | None = None,
+    **control: Any,
 ) -> AsyncIterator[InProcess]:
-    """A started service with a subscriber that is live (``host_blocks``: its host tier)."""
-    service = Service(settings(tmp_path, num_blocks, host_blocks, **control))
+    """A started service with a subscriber that is live (``host_blocks``: its host tier;
+    ``upstream``: following an engine)."""
+    service = Service(settings(tmp_path, num_blocks, host_blocks, upstream, **control))
     await service.startup()
     context = zmq.Context()
     sub = context.socket(zmq.SUB)

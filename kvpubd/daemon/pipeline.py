@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # first (under heavy load the ticks fall far apart). A batch's fixed costs spread over this
 # many blocks are a few hundredths of a microsecond each.
 FLUSH_BLOCKS = 1024
+# Engine events handled (upstream mode) between loop turns at most: about 1 ms of decoding and
+# relaying on the H200 host (vLLM reports each evicted block in an event of its own).
+TURN_EVENTS = 512
 # Host tier blocks whose removal or store a reset left to publish, captured per loop turn
 # (about 1 us each: a reset behind them waits about half a millisecond).
 BACKLOG_BLOCKS = 512
@@ -225,19 +228,27 @@ class RankPipeline:
             rcvhwm=upstream.rcvhwm,
             idle_check=upstream.idle_check_ms / 1000 or None,
         )
+        since_turn = 0  # engine events handled since the last loop turn
         try:
             async for batch in follower:
-                if batch.condition & Condition.RESTART:
-                    relay.restart("the engine restarted")
-                elif batch.condition & Condition.LOST:
-                    relay.restart(f"{batch.missing_before} engine batch(es) lost")
+                if batch.condition:
+                    if batch.condition & Condition.RESTART:
+                        relay.restart("the engine restarted")
+                    elif batch.condition & Condition.LOST:
+                        relay.restart(f"{batch.missing_before} engine batch(es) lost")
                 relay.apply(batch.events)
+                since_turn += len(batch.events)
                 while self._drain.paused:  # read no more than goes out
                     await asyncio.sleep(0.01)
-                if not follower.more_ready or self.sink.pending_blocks >= FLUSH_BLOCKS:
+                flush = not follower.more_ready or self.sink.pending_blocks >= FLUSH_BLOCKS
+                if flush:
                     self.flush()
-                    # A loop turn per flush: the follower hands over a burst of batches with
-                    # no turn of its own, and a reset must not wait behind all of them.
+                # The follower hands over a burst of batches with no turn of its own, and a
+                # reset must not wait behind all of them: a turn per flush, and one at least
+                # every TURN_EVENTS (batches that publish nothing, as while a reset drops the
+                # engine's events before its clear, are never flushed).
+                if flush or since_turn >= TURN_EVENTS:
+                    since_turn = 0
                     await asyncio.sleep(0)
         finally:
             follower.close()

@@ -1,0 +1,116 @@
+"""Upstream mode in this process: the loop keeps turning while the daemon works through a burst
+of the engine's batches, so a reset never waits behind all of them (the follower hands over up
+to a burst of batches with no turn of its own)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from functools import partial
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from kvpubd.daemon.pipeline import TURN_EVENTS
+from kvpubd.protocol.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    decode_batch,
+    pack_seq,
+)
+from tests.inprocess import BOUND_S, InProcess, in_process
+
+BATCHES = 200
+EVENTS_PER_BATCH = 64  # one-block removals, as vLLM reports evictions
+
+
+class Engine:
+    """A PUB socket publishing vLLM's wire (live frames [topic, seq, payload], map form)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.bind(endpoint)
+        self._seq = itertools.count()
+
+    def publish(self, events: list[Event]) -> None:
+        payload = msgspec.msgpack.encode(EventBatch(time.time(), events, 0))
+        self.pub.send_multipart([b"", pack_seq(next(self._seq)), payload])
+
+    def close(self) -> None:
+        self.pub.close(linger=0)
+        self.context.term()
+
+
+def store(block_hash: int) -> BlockStored:
+    return BlockStored([block_hash], None, [1, 2], 2, None, "GPU", None)
+
+
+def relayed_or_past(daemon: InProcess, deadline: float) -> bool:
+    return bool(daemon.sub.poll(0)) or time.monotonic() > deadline
+
+
+async def until_relayed(daemon: InProcess, engine: Engine, block_hash: int) -> None:
+    """Publish the engine's clear and a store until the store comes out on kvpubd's stream
+    (the follower's SUB socket is joined from then on)."""
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        engine.publish([AllBlocksCleared(), store(block_hash)])
+        await daemon.turns_until(partial(relayed_or_past, daemon, time.monotonic() + 0.05))
+        while daemon.sub.poll(0):
+            events = decode_batch(daemon.sub.recv_multipart()[2]).events
+            if any(isinstance(e, BlockStored) and e.block_hashes == [block_hash] for e in events):
+                return
+    raise AssertionError("the engine's store never came out on kvpubd's stream")
+
+
+async def test_a_burst_of_batches_that_publish_nothing_still_gives_the_loop_turns(
+    tmp_path: Path,
+) -> None:
+    """After a reset the engine's events are dropped until its own clear: nothing is captured,
+    so nothing is flushed. 200 such batches of 64 events, all received before the loop runs
+    again: the loop turns at least every TURN_EVENTS of them (without it, once per burst of up
+    to 256 batches, tens of milliseconds on the H200 host)."""
+    endpoint = f"ipc://{tmp_path}/engine"
+    engine = Engine(endpoint)
+    upstream = {"flavour": "vllm", "endpoint": endpoint, "replay_endpoint": ""}
+    try:
+        async with in_process(tmp_path, 64, upstream=upstream) as daemon:
+            await until_relayed(daemon, engine, 7)
+            await daemon.call("reset")  # the engine's events are dropped until its clear
+            relay = daemon.pipeline.relay
+            assert relay is not None
+            dropped = relay.dropped_by_reset
+            # A second subscriber in this thread: once it holds the whole burst, so does the
+            # daemon's (the loop does not run meanwhile).
+            watcher = engine.context.socket(zmq.SUB)
+            watcher.setsockopt(zmq.SUBSCRIBE, b"")
+            watcher.connect(endpoint)
+            probes = 0
+            while not watcher.poll(10):  # joined once a probe batch reaches it
+                probes += 1
+                engine.publish([BlockRemoved([10_000 + probes], "GPU", 0)])
+            while watcher.poll(0):
+                watcher.recv_multipart()
+            for batch in range(BATCHES):
+                removals = range(batch * EVENTS_PER_BATCH, (batch + 1) * EVENTS_PER_BATCH)
+                engine.publish([BlockRemoved([h], "GPU", 0) for h in removals])
+            for _ in range(BATCHES):
+                assert watcher.poll(int(BOUND_S * 1000))
+                watcher.recv_multipart()
+            watcher.close(linger=0)
+            target = dropped + probes + BATCHES * EVENTS_PER_BATCH
+            samples = await daemon.per_turn(
+                lambda: relay.dropped_by_reset, lambda: relay.dropped_by_reset >= target
+            )
+            # A turn once TURN_EVENTS are handled: at most one batch's worth more.
+            per_turn = [after - before for before, after in itertools.pairwise(samples)]
+            assert max(per_turn) < TURN_EVENTS + EVENTS_PER_BATCH, per_turn
+            assert relay.dropped_by_reset == target  # all dropped (fenced), none relayed
+    finally:
+        engine.close()
