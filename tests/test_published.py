@@ -5,10 +5,12 @@ while it was open; compaction keeps order and membership and never runs under a 
 from __future__ import annotations
 
 import random
+from unittest.mock import patch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpubd.daemon import published
 from kvpubd.daemon.published import FrozenView, PublishedRecord, ValuedRecord
 
 
@@ -88,14 +90,31 @@ def test_compaction_waits_for_views_and_keeps_order() -> None:
     assert model.record.compact_some(step=10) is True
     assert drain(view, model, step=1000) == list(model.live.items())
     view.close()
-    for block_id in ids[:8000]:
-        model.remove(block_id)
+    # 30 000 more; the oldest 25 000 entries go (a stale front), then three in four of the
+    # last 20 000 (holes in the middle).
+    fresh = list(range(100_000, 130_000))
+    model.publish(fresh)
+    for block_id in [*ids, *fresh[:10_000]]:
+        if block_id in model.live:
+            model.remove(block_id)
+    for block_id in fresh[10_000:]:
+        if block_id % 4:
+            model.remove(block_id)
     assert model.record.needs_compaction
+    refused = 0
     while not model.record.compact_some(step=1000):
-        # Publications and removals go on while a compaction is under way.
-        assert model.record.freeze(model.data) is None
+        # Publications and removals go on meanwhile. The stale front is trimmed first, a view
+        # may be taken between slices; then the holes are left: the log is copied, and no
+        # view is taken until that is done.
+        view = model.record.freeze(model.data)
+        if view is None:
+            refused += 1
+        else:
+            assert drain(view, model, step=500) == list(model.live.items())
+            view.close()
         model.publish([20_000 + len(model.live)])
         model.remove(next(iter(model.live)))
+    assert refused >= 1
     assert not model.record.needs_compaction
     assert list(model.record) == list(model.live)
     assert len(model.record) == len(model.live)
@@ -106,34 +125,37 @@ def test_compaction_waits_for_views_and_keeps_order() -> None:
 def test_random_histories(data: st.DataObject) -> None:
     """Random interleavings of publications, removals, id reuse, views and compaction."""
     rng = random.Random(data.draw(st.integers(0, 2**32)))
-    model = Model()
-    views = []
-    free = list(range(64))
-    for _ in range(data.draw(st.integers(1, 200))):
-        action = rng.random()
-        if action < 0.45 and free:
-            run = [free.pop(rng.randrange(len(free))) for _ in range(rng.randint(1, 3)) if free]
-            model.publish(run)
-        elif action < 0.8 and model.live:
-            block_id = rng.choice(list(model.live))
-            model.remove(block_id)
-            free.append(block_id)
-        elif action < 0.9:
-            view = model.record.freeze(model.data)
-            if view is not None:
-                views.append((view, list(model.live.items())))
-        elif views:
-            view, expected = views.pop(rng.randrange(len(views)))
+    # Slack 0: every trim, cut and compaction path is taken in a short history.
+    slack = data.draw(st.sampled_from([0, 3, published.COMPACT_SLACK]))
+    with patch.object(published, "COMPACT_SLACK", slack):
+        model = Model()
+        views = []
+        free = list(range(64))
+        for _ in range(data.draw(st.integers(1, 200))):
+            action = rng.random()
+            if action < 0.45 and free:
+                run = [free.pop(rng.randrange(len(free))) for _ in range(rng.randint(1, 3)) if free]
+                model.publish(run)
+            elif action < 0.8 and model.live:
+                block_id = rng.choice(list(model.live))
+                model.remove(block_id)
+                free.append(block_id)
+            elif action < 0.9:
+                view = model.record.freeze(model.data)
+                if view is not None:
+                    views.append((view, list(model.live.items())))
+            elif views:
+                view, expected = views.pop(rng.randrange(len(views)))
+                assert drain(view, model) == expected
+                view.close()
+            else:
+                model.record.compact_some(step=rng.randint(1, 50))
+        for view, expected in views:
             assert drain(view, model) == expected
             view.close()
-        else:
-            model.record.compact_some(step=rng.randint(1, 50))
-    for view, expected in views:
-        assert drain(view, model) == expected
-        view.close()
-    while not model.record.compact_some():
-        pass
-    assert list(model.record) == list(model.live)
+        while not model.record.compact_some():
+            pass
+        assert list(model.record) == list(model.live)
 
 
 @settings(max_examples=60, deadline=None)
@@ -145,40 +167,43 @@ def test_a_valued_record_finds_each_blocks_value_through_compaction_and_views(
     nothing; value() finds each live block's value, also while a compaction is half done;
     a view captures a removed block's value through value() (so before it goes)."""
     rng = random.Random(data.draw(st.integers(0, 2**32)))
-    record: ValuedRecord[int, str] = ValuedRecord()
-    live: dict[int, str] = {}  # id -> value, in publication order
-    views: list[tuple[FrozenView[int], list[tuple[int, str]]]] = []
-    stores = 0
-    for _ in range(data.draw(st.integers(1, 300))):
-        action = rng.random()
-        if action < 0.45:
-            run = [rng.randrange(48) for _ in range(rng.randint(1, 4))]
-            stores += 1
-            value = f"store {stores}"
-            fresh = len(set(run)) == len(run) and not live.keys() & set(run)
-            assert record.add_valued(run, value) is fresh
-            if fresh:
-                live.update(dict.fromkeys(run, value))
-        elif action < 0.75 and live:
-            block_id = rng.choice(list(live))
-            assert record.discard_named([block_id], [block_id]) == [block_id]
-            del live[block_id]
-        elif action < 0.82:
-            view = record.freeze(record.value)
-            if view is not None:
-                views.append((view, list(live.items())))
-        elif action < 0.88 and views:
-            view, expected = views.pop(rng.randrange(len(views)))
-            got = []
-            while not view.finished:
-                got += [(b, s if s is not None else record.value(b)) for b, s in view.take(3)]
-            assert got == expected
+    # Slack 0: every trim, cut and compaction path is taken in a short history.
+    slack = data.draw(st.sampled_from([0, 3, published.COMPACT_SLACK]))
+    with patch.object(published, "COMPACT_SLACK", slack):
+        record: ValuedRecord[int, str] = ValuedRecord()
+        live: dict[int, str] = {}  # id -> value, in publication order
+        views: list[tuple[FrozenView[int], list[tuple[int, str]]]] = []
+        stores = 0
+        for _ in range(data.draw(st.integers(1, 300))):
+            action = rng.random()
+            if action < 0.45:
+                run = [rng.randrange(48) for _ in range(rng.randint(1, 4))]
+                stores += 1
+                value = f"store {stores}"
+                fresh = len(set(run)) == len(run) and not live.keys() & set(run)
+                assert record.add_valued(run, value) is fresh
+                if fresh:
+                    live.update(dict.fromkeys(run, value))
+            elif action < 0.75 and live:
+                block_id = rng.choice(list(live))
+                assert record.discard_named([block_id], [block_id]) == [block_id]
+                del live[block_id]
+            elif action < 0.82:
+                view = record.freeze(record.value)
+                if view is not None:
+                    views.append((view, list(live.items())))
+            elif action < 0.88 and views:
+                view, expected = views.pop(rng.randrange(len(views)))
+                got = []
+                while not view.finished:
+                    got += [(b, s if s is not None else record.value(b)) for b, s in view.take(3)]
+                assert got == expected
+                view.close()
+            else:
+                record.compact_some(step=rng.randint(1, 20))
+            assert {b: record.value(b) for b in live} == live
+        for view, _ in views:
             view.close()
-        else:
-            record.compact_some(step=rng.randint(1, 20))
-        assert {b: record.value(b) for b in live} == live
-    for view, _ in views:
-        view.close()
-    while not record.compact_some(step=7):
-        assert {b: record.value(b) for b in live} == live
-    assert list(record) == list(live)
+        while not record.compact_some(step=7):
+            assert {b: record.value(b) for b in live} == live
+        assert list(record) == list(live)

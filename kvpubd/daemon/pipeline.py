@@ -450,7 +450,7 @@ class RankPipeline:
             if view is None:
                 for made in views:
                     made.close()
-                record.compact_some()
+                record.compact_some(retire=self._reaper.retire)
                 return None
             views.append(view)
         return self.publisher.last_seq, views
@@ -490,7 +490,7 @@ class RankPipeline:
         letting go of a finished snapshot that no request can use any more."""
         for record in self.current_records():
             if record.needs_compaction:
-                record.compact_some()
+                record.compact_some(retire=self._reaper.retire)
         job = self._snapshot
         if (
             job is not None

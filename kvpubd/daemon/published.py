@@ -6,11 +6,18 @@ published parent. Snapshots read it: a frozen view is the published state at one
 slice at a time across loop turns while the cache goes on changing.
 
 The order is an append-only log of block ids; ``_entry[b]`` is the log position of block
-``b``'s current publication, so a log entry is current iff ``_entry.get(log[i]) == i``. A view
-taken at log length ``end`` sees entries ``i < end`` that were current then: still current
+``b``'s current publication, so a log entry is current iff ``_entry.get(log[p]) == p``. A view
+taken at log length ``end`` sees entries ``p < end`` that were current then: still current
 now, or removed since, in which case the view saved the block's data when it was removed
-(``capture``), before its slot could be reused. Stale entries are compacted away a slice at a
-time while no view is open.
+(``capture``), before its slot could be reused.
+
+Stale entries go a slice at a time while no view is open. Blocks mostly go oldest first (an
+engine's or the pool's eviction), so stale entries gather at the front of the log: they are
+trimmed there first, with nothing renumbered (positions count from the log's first entry ever,
+``_base`` being that of ``_log[0]``). Only when stale entries are left in the middle is the log
+compacted: its current entries copied to a new log and renumbered from 0. Either way their
+memory is freed a slice at a time (the reaper takes a whole old log): a million stale entries
+freed at once would hold the loop for milliseconds.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ class FrozenView(Generic[K]):
     for a block removed while the view is open, before any of its data can be overwritten."""
 
     def __init__(self, record: PublishedRecord[K], capture: Callable[[K], Any]) -> None:
+        # Nothing is trimmed nor compacted while a view is open: the log's base is fixed.
         self.record = record
-        self.end = len(record._log)
+        self.end = record._base + len(record._log)
         self.count = len(record._entry)
-        self.cursor = 0
+        self.cursor = record._base + record._head
         self.saved: dict[int, Any] = {}  # log position -> data captured at removal
         self._capture = capture
         self.open = True
@@ -51,11 +59,12 @@ class FrozenView(Generic[K]):
         """The next blocks of the view in publication order: (block id, data saved at
         removal, or None while the block is still live). Up to ``limit`` log entries."""
         log, entry, saved = self.record._log, self.record._entry, self.saved
+        base = self.record._base
         start = self.cursor
         stop = min(self.end, start + limit)
         self.cursor = stop
         for position in range(start, stop):
-            block_id = log[position]
+            block_id: Any = log[position - base]  # None where trimmed: never current
             if entry.get(block_id) == position:
                 yield block_id, None
             elif position in saved:
@@ -74,10 +83,13 @@ class FrozenView(Generic[K]):
 class PublishedRecord(Generic[K]):
     def __init__(self) -> None:
         self._entry: dict[K, int] = {}
-        self._log: list[K] = []
+        # Trimmed entries are None until the trimmed front is cut off (a memmove).
+        self._log: list[K | None] = []
+        self._base = 0  # the position of _log[0]
+        self._head = 0  # _log[:_head] is trimmed
         self._views: list[FrozenView[K]] = []
         # Compaction in progress: the new log, and how far the old one has been read.
-        self._new_log: list[K] | None = None
+        self._new_log: list[K | None] | None = None
         self._read = 0
 
     def __contains__(self, block_id: K) -> bool:
@@ -88,12 +100,12 @@ class PublishedRecord(Generic[K]):
 
     def __iter__(self) -> Iterator[K]:
         """Live blocks in publication order (O(log); for tests and small tools)."""
-        entry = self._entry
-        return (b for i, b in enumerate(self._log) if entry.get(b) == i)
+        entry, base = self._entry, self._base
+        return (b for i, b in enumerate(self._log) if entry.get(b) == base + i)  # type: ignore[misc, arg-type]
 
     def add(self, block_ids: Sequence[K]) -> None:
         log = self._log
-        position = len(log)
+        position = self._base + len(log)
         # In C: no bytecode per block on the store path.
         positions = range(position, position + len(block_ids))
         self._entry.update(zip(block_ids, positions, strict=True))
@@ -134,39 +146,77 @@ class PublishedRecord(Generic[K]):
     @property
     def needs_compaction(self) -> bool:
         return self._new_log is not None or (
-            not self._views and len(self._log) > 2 * len(self._entry) + COMPACT_SLACK
+            not self._views and len(self._log) - self._head > 2 * len(self._entry) + COMPACT_SLACK
         )
 
-    def compact_some(self, step: int = COMPACT_STEP) -> bool:
-        """Move up to ``step`` log entries into a log without stale ones; True when done.
-        Blocks published meanwhile are appended to the old log and moved with the rest."""
+    def compact_some(
+        self, step: int = COMPACT_STEP, retire: Callable[..., None] | None = None
+    ) -> bool:
+        """Trim or compact up to ``step`` log entries; True when done. Blocks published
+        meanwhile are appended to the log and moved with the rest. ``retire``: takes a whole
+        old log to free it a slice at a time (the reaper)."""
         if self._new_log is None:
             if self._views:
                 return True
-            self._new_log, self._read = [], 0
-        new_log, log, entry = self._new_log, self._log, self._entry
+            more = self._trim_front(step)
+            if more or not self.needs_compaction:
+                return not more and not self.needs_compaction
+            self._new_log, self._read = [], self._head
+        new_log, log, entry, base = self._new_log, self._log, self._entry, self._base
         start, stop = self._read, min(len(log), self._read + step)
         # In C, no bytecode per entry (it is paid again for every block a busy rank stores):
         # the current entries of the slice, renumbered in order behind those kept before.
         chunk = log[start:stop]
-        current = list(map(eq, map(entry.get, chunk), range(start, stop)))
+        current = list(map(eq, map(entry.get, chunk), range(base + start, base + stop)))  # type: ignore[arg-type]
         kept = list(compress(chunk, current))
-        entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))
+        entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))  # type: ignore[arg-type]
         new_log += kept
         self._moved(start, stop, current)
         self._read = stop
         if stop < len(log):
             return False
-        self._log, self._new_log = new_log, None
-        self._moved_all()
+        self._log, self._new_log, self._base, self._head = new_log, None, 0, 0
+        old = self._moved_all()
+        if retire is not None:
+            retire(log, *old)
         return True
+
+    def _trim_front(self, step: int) -> bool:
+        """Trim the stale entries at the front of the log, up to ``step``; True when all of
+        them were stale (more may follow). Their objects are freed here, ``step`` at most."""
+        log, entry, head = self._log, self._entry, self._head
+        chunk = log[head : head + step]
+        first = self._base + head
+        current = list(map(eq, map(entry.get, chunk), range(first, first + len(chunk))))  # type: ignore[arg-type]
+        trimmed = current.index(True) if True in current else len(chunk)
+        if trimmed:
+            log[head : head + trimmed] = repeat(None, trimmed)
+            self._trimmed(head, trimmed)
+            self._head = head = head + trimmed
+        if head > COMPACT_SLACK and head >= len(log) // 2:
+            # Cut the trimmed front off: a memmove of what follows it, once per as many
+            # entries trimmed.
+            del log[:head]
+            self._cut(head)
+            self._base += head
+            self._head = 0
+        return bool(chunk) and trimmed == len(chunk)
+
+    def _trimmed(self, head: int, count: int) -> None:
+        """The log's entries from ``head`` on, ``count`` of them, were trimmed (for a subclass
+        that keeps more per entry)."""
+
+    def _cut(self, count: int) -> None:
+        """The log's first ``count`` entries (all trimmed) were cut off."""
 
     def _moved(self, start: int, stop: int, current: list[bool]) -> None:
         """Compaction moved the ``current`` entries of log[start:stop] (for a subclass that
         keeps more per entry)."""
 
-    def _moved_all(self) -> None:
-        """Compaction finished: the new log is the log."""
+    def _moved_all(self) -> tuple[Any, ...]:
+        """Compaction finished: the new log is the log. Returns what the old log had beside
+        it (for the reaper)."""
+        return ()
 
     def close_views(self) -> None:
         for view in list(self._views):
@@ -175,7 +225,7 @@ class PublishedRecord(Generic[K]):
     def reapable(self) -> tuple[Any, ...]:
         """The containers the reaper frees piecemeal once this record is retired."""
         self.close_views()
-        return (self._entry, self._log)
+        return (self._entry, self._log, self._new_log or [])
 
 
 class ValuedRecord(PublishedRecord[K], Generic[K, V]):
@@ -185,8 +235,8 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
 
     def __init__(self) -> None:
         super().__init__()
-        self._values: list[V] = []  # by log position
-        self._new_values: list[V] = []  # the new log's, while a compaction is under way
+        self._values: list[V | None] = []  # aligned with the log
+        self._new_values: list[V | None] = []  # the new log's, while a compaction is under way
 
     def add_valued(self, block_ids: Sequence[K], value: V) -> bool:
         """Publish blocks, all with ``value``, if none is published already nor repeats
@@ -206,10 +256,10 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
     def value(self, block_id: K) -> V:
         position = self._entry[block_id]
         # While a compaction is under way, an entry it moved is numbered in the new log,
-        # below where it has read; one it has not, at or past that.
-        if self._new_log is not None and position < self._read:
-            return self._new_values[position]
-        return self._values[position]
+        # below its length; one it has not, past where it has read (at or past that length).
+        if self._new_log is not None and position < len(self._new_log):
+            return self._new_values[position]  # type: ignore[return-value]
+        return self._values[position - self._base]  # type: ignore[return-value]
 
     def forget(self, block_ids: Sequence[K]) -> None:
         """Drop blocks without telling views (a record no snapshot reads any more)."""
@@ -218,8 +268,16 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
     def _moved(self, start: int, stop: int, current: list[bool]) -> None:
         self._new_values += compress(self._values[start:stop], current)
 
-    def _moved_all(self) -> None:
+    def _moved_all(self) -> tuple[Any, ...]:
+        old = self._values
         self._values, self._new_values = self._new_values, []
+        return (old,)
+
+    def _trimmed(self, head: int, count: int) -> None:
+        self._values[head : head + count] = repeat(None, count)
+
+    def _cut(self, count: int) -> None:
+        del self._values[:count]
 
     def reapable(self) -> tuple[Any, ...]:
         return (*super().reapable(), self._values, self._new_values)
