@@ -27,7 +27,16 @@ from hypothesis import strategies as st
 from kvpubd.client import replay
 from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.hashing import HashAlgorithm, chain_digests
-from kvpubd.protocol.wire import BatchEncoder, BlockRemoved, BlockStored, Event, decode_batch
+from kvpubd.protocol.wire import (
+    BatchEncoder,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    RelayedStored,
+    decode_batch,
+    token_count,
+    token_list,
+)
 from kvpubd.tools.vllm_source import kv_events_path, load_kv_events
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
@@ -712,3 +721,27 @@ def test_vllm_decodes_every_batch_of_a_host_tier_stream(start_daemon: DaemonFact
         ("BlockRemoved", "GPU"),
         ("BlockRemoved", "CPU"),
     } <= media
+
+
+# -- a relayed store's token ids, kept as the engine encoded them ----------------------------
+
+_AS_RAW = msgspec.msgpack.Decoder(msgspec.Raw).decode
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 255, 65_535, 65_536])
+def test_an_encoded_token_array_is_counted_from_its_header_and_decoded_whole(count: int) -> None:
+    """Every msgpack array header (fixarray, array 16, array 32); a RelayedStored holding the
+    encoded ids encodes byte for byte as the BlockStored holding the list."""
+    tokens = list(range(count))
+    encoded = _AS_RAW(msgspec.msgpack.encode(tokens))
+    assert token_count(encoded) == count and token_list(encoded) == tokens
+    size = max(count, 1)
+    relayed = RelayedStored([1], None, encoded, size, None, "GPU", None)
+    plain = BlockStored([1], None, tokens, size, None, "GPU", None)
+    assert msgspec.msgpack.encode(relayed) == msgspec.msgpack.encode(plain)
+
+
+@pytest.mark.parametrize("value", [None, "", "abc", "x" * 40, {"a": 1}, 5, b"xy", 1.5])
+def test_encoded_token_ids_that_are_not_an_array_are_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="not an array"):
+        token_count(_AS_RAW(msgspec.msgpack.encode(value)))

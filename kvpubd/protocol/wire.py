@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import struct
 from collections import deque
 from typing import Any, ClassVar, Literal, cast
 
@@ -96,17 +97,24 @@ def token_count(tokens: list[int] | msgspec.Raw) -> int:
     ValueError when an encoded one is not an array."""
     if type(tokens) is not msgspec.Raw:
         return len(tokens)
-    head = memoryview(tokens)[:5]
-    first = head[0] if len(head) else 0xC1
+    size = len(tokens)
+    if size >= 3:  # struct reads the buffer in place: no memoryview per store
+        first, count = _ARRAY16_HEAD.unpack_from(tokens)
+        if first == 0xDC:
+            return int(count)
+        if first == 0xDD and size >= 5:
+            return int(_ARRAY32_HEAD.unpack_from(tokens)[1])
+    elif size:
+        first = memoryview(tokens)[0]
+    else:
+        first = 0xC1  # nothing: not an array
     if 0x90 <= first <= 0x9F:
-        return first & 0x0F
-    if first == 0xDC and len(head) >= 3:
-        return int.from_bytes(head[1:3], "big")
-    if first == 0xDD and len(head) == 5:
-        return int.from_bytes(head[1:5], "big")
+        return int(first) & 0x0F
     raise ValueError("token_ids is not an array")
 
 
+_ARRAY16_HEAD = struct.Struct(">BH")
+_ARRAY32_HEAD = struct.Struct(">BI")
 _TOKEN_LIST = msgspec.msgpack.Decoder(list[int])
 
 
