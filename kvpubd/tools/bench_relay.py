@@ -131,17 +131,23 @@ class _Children:
         self, shape: Shape, batches: range, interval_s: float
     ) -> tuple[int, dict[str, Tally]]:
         expected = (shape.stored_blocks(batches), shape.removed_blocks(batches))
+        self.build(batches)
         for pipe in self.subscribers.values():
             pipe.send(expected)
         for name, pipe in self.subscribers.items():
             answer(pipe, f"the {name} subscriber")  # armed
-        self.engine.send(("run", batches.start, len(batches), interval_s))
+        self.engine.send(("run", interval_s))
         started: int = answer(self.engine, "the engine", PHASE_TIMEOUT_S)
         tallies = {
             name: answer(pipe, f"the {name} subscriber", PHASE_TIMEOUT_S)
             for name, pipe in self.subscribers.items()
         }
         return started, tallies
+
+    def build(self, batches: range) -> None:
+        """The engine builds the batches, before anyone waits for them."""
+        self.engine.send(("build", batches.start, len(batches)))
+        answer(self.engine, "the engine", PHASE_TIMEOUT_S)
 
     def close_subscribers(self) -> None:
         for pipe in self.subscribers.values():
@@ -237,7 +243,8 @@ def _time_saturated_resets(
     try:
         probe.wait_connected()
         children.close_subscribers()  # nobody left to read their streams
-        children.engine.send(("run", batches.start, len(batches), 0.0))
+        children.build(batches)
+        children.engine.send(("run", 0.0))
         while len(markers) < resets and not (markers and children.engine.poll(0)):
             if not probe.wait_relaying(timeout=5.0):
                 break  # the engine has finished

@@ -135,9 +135,10 @@ def run_engine(
     kv_path: str, endpoint: str, replay_endpoint: str, reset_port: int, shape: Shape, pipe: Any
 ) -> None:
     """The engine process. Commands on ``pipe``: ``("warm",)`` publishes one warm-up batch;
-    ``("run", first, count, interval_s)`` builds batches ``first .. first + count - 1``, then
-    publishes them (``interval_s`` apart, 0: as fast as it can) and answers the clock's
-    reading just before the first; ``None`` shuts the publisher down."""
+    ``("build", first, count)`` builds batches ``first .. first + count - 1`` (seconds for
+    tens of thousands: before anyone waits for them); ``("run", interval_s)`` publishes them
+    (``interval_s`` apart, 0: as fast as it can) and answers the clock's reading just before
+    the first; ``None`` shuts the publisher down."""
     from kvpubd.tools.vllm_source import load_kv_events
 
     kv = load_kv_events(Path(kv_path))
@@ -146,6 +147,7 @@ def run_engine(
     )
     reset_asked = _serve_resets(reset_port)
     warm = 0
+    batches: list[Any] = []
     pipe.send("ready")
     while (command := pipe.recv()) is not None:
         if command[0] == "warm":
@@ -162,8 +164,12 @@ def run_engine(
             warm += 1
             pipe.send("ok")
             continue
-        _, first, count, interval_s = command
-        batches = build_batches(kv, shape, range(first, first + count))
+        if command[0] == "build":
+            _, first, count = command
+            batches = build_batches(kv, shape, range(first, first + count))
+            pipe.send("built")
+            continue
+        _, interval_s = command
         started = now_ns()
         for batch in batches:
             batch.ts = time.time()
