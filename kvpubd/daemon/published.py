@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import eq
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 # A block's id: the pool's slot number; the relay keys its blocks by the engine's hashes.
@@ -100,8 +100,8 @@ class PublishedRecord(Generic[K]):
 
     def __iter__(self) -> Iterator[K]:
         """Live blocks in publication order (O(log); for tests and small tools)."""
-        entry, base = self._entry, self._base
-        return (b for i, b in enumerate(self._log) if entry.get(b) == base + i)  # type: ignore[misc, arg-type]
+        entry, base, log = self._entry, self._base, cast(list[K], self._log)
+        return (b for i, b in enumerate(log) if entry.get(b) == base + i)  # None: never current
 
     def add(self, block_ids: Sequence[K]) -> None:
         log = self._log
@@ -166,10 +166,10 @@ class PublishedRecord(Generic[K]):
         start, stop = self._read, min(len(log), self._read + step)
         # In C, no bytecode per entry (it is paid again for every block a busy rank stores):
         # the current entries of the slice, renumbered in order behind those kept before.
-        chunk = log[start:stop]
-        current = list(map(eq, map(entry.get, chunk), range(base + start, base + stop)))  # type: ignore[arg-type]
+        chunk: list[Any] = log[start:stop]  # no None: compaction reads from the head on
+        current = list(map(eq, map(entry.get, chunk), range(base + start, base + stop)))
         kept = list(compress(chunk, current))
-        entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))  # type: ignore[arg-type]
+        entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))
         new_log += kept
         self._moved(start, stop, current)
         self._read = stop
@@ -185,9 +185,9 @@ class PublishedRecord(Generic[K]):
         """Trim the stale entries at the front of the log, up to ``step``; True when all of
         them were stale (more may follow). Their objects are freed here, ``step`` at most."""
         log, entry, head = self._log, self._entry, self._head
-        chunk = log[head : head + step]
+        chunk: list[Any] = log[head : head + step]
         first = self._base + head
-        current = list(map(eq, map(entry.get, chunk), range(first, first + len(chunk))))  # type: ignore[arg-type]
+        current = list(map(eq, map(entry.get, chunk), range(first, first + len(chunk))))
         trimmed = current.index(True) if True in current else len(chunk)
         if trimmed:
             log[head : head + trimmed] = repeat(None, trimmed)
@@ -258,8 +258,8 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
         # While a compaction is under way, an entry it moved is numbered in the new log,
         # below its length; one it has not, past where it has read (at or past that length).
         if self._new_log is not None and position < len(self._new_log):
-            return self._new_values[position]  # type: ignore[return-value]
-        return self._values[position - self._base]  # type: ignore[return-value]
+            return cast(V, self._new_values[position])  # a live block's: never trimmed
+        return cast(V, self._values[position - self._base])
 
     def forget(self, block_ids: Sequence[K]) -> None:
         """Drop blocks without telling views (a record no snapshot reads any more)."""
