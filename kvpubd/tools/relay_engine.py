@@ -171,6 +171,7 @@ def run_engine(
             continue
         _, interval_s = command
         started = now_ns()
+        due = time.monotonic()
         for batch in batches:
             batch.ts = time.time()
             if reset_asked.is_set():  # the step after a reset starts with its clear
@@ -178,6 +179,11 @@ def run_engine(
                 batch.events.insert(0, kv.AllBlocksCleared())
             publisher.publish(batch)
             if interval_s:
-                time.sleep(interval_s)  # the pace of an engine that is not saturated
+                # The pace of an engine that is not saturated: to a deadline per batch, so a
+                # sleep that overran (the OS wakes late below ~0.1 ms) is made up.
+                due += interval_s
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
         pipe.send(started)
     publisher.shutdown()
