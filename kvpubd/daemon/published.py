@@ -182,29 +182,35 @@ class PublishedRecord(Generic[K]):
         return True
 
     def _trim_front(self, step: int) -> bool:
-        """Trim the stale entries at the front of the log, up to ``step``; True when all of
-        them were stale (more may follow). Their objects are freed here, ``step`` at most."""
+        """Trim the front of the log, ``step`` entries at most, while it is mostly stale: its
+        few current entries (a prefix every prompt shares, published early and never evicted)
+        move to the end of the slice, renumbered in order, and the rest is trimmed, its
+        objects freed here. True when the whole slice was taken (more may follow)."""
         log, entry, head = self._log, self._entry, self._head
         chunk: list[Any] = log[head : head + step]
         first = self._base + head
         current = list(map(eq, map(entry.get, chunk), range(first, first + len(chunk))))
-        trimmed = current.index(True) if True in current else len(chunk)
-        if trimmed:
-            log[head : head + trimmed] = repeat(None, trimmed)
-            self._trimmed(head, trimmed)
-            self._head = head = head + trimmed
-        if head > COMPACT_SLACK and head >= len(log) // 2:
+        kept = list(compress(chunk, current))
+        if not chunk or len(kept) * 4 > len(chunk):
+            return False  # the front is mostly current: compaction's work, if any
+        end = head + len(chunk)
+        start = end - len(kept)  # the new head
+        log[head:end] = [*repeat(None, start - head), *kept]
+        entry.update(zip(kept, range(self._base + start, self._base + end), strict=True))
+        self._trimmed(head, end, current)
+        self._head = start
+        if start > COMPACT_SLACK and start >= len(log) // 2:
             # Cut the trimmed front off: a memmove of what follows it, once per as many
             # entries trimmed.
-            del log[:head]
-            self._cut(head)
-            self._base += head
+            del log[:start]
+            self._cut(start)
+            self._base += start
             self._head = 0
-        return bool(chunk) and trimmed == len(chunk)
+        return True
 
-    def _trimmed(self, head: int, count: int) -> None:
-        """The log's entries from ``head`` on, ``count`` of them, were trimmed (for a subclass
-        that keeps more per entry)."""
+    def _trimmed(self, head: int, end: int, current: list[bool]) -> None:
+        """The log's entries from ``head`` to ``end`` were trimmed, the ``current`` ones moved
+        to the end of that span (for a subclass that keeps more per entry)."""
 
     def _cut(self, count: int) -> None:
         """The log's first ``count`` entries (all trimmed) were cut off."""
@@ -273,8 +279,10 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
         self._values, self._new_values = self._new_values, []
         return (old,)
 
-    def _trimmed(self, head: int, count: int) -> None:
-        self._values[head : head + count] = repeat(None, count)
+    def _trimmed(self, head: int, end: int, current: list[bool]) -> None:
+        values = self._values
+        kept = list(compress(values[head:end], current))
+        values[head:end] = [*repeat(None, end - head - len(kept)), *kept]
 
     def _cut(self, count: int) -> None:
         del self._values[:count]
