@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+import pytest
+
 from kvpubd.daemon.published import ValuedRecord
 from kvpubd.daemon.relay import Relay
 from kvpubd.daemon.sink import EventSink
 from kvpubd.protocol.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from kvpubd.upstream.flavours import FlavourDecoder, UpstreamPayloadError
 
 BS = 2
 
@@ -166,3 +170,45 @@ def test_blocks_under_a_parent_that_is_not_live_are_left_out_but_not_in_window_g
     window = stored(7, parent=99, group=1)
     window.kv_cache_spec_kind, window.kv_cache_spec_sliding_window = "sliding_window", 64
     assert rank.out(window) == [window]
+
+
+def vllm_stores(*stores: dict[str, Any]) -> list[Event]:
+    """vLLM maps (fields given, the rest as vLLM sends them) decoded as the daemon decodes
+    them: token ids kept as the engine encoded them."""
+    events = [
+        {"type": "BlockStored", "parent_block_hash": None, "block_size": BS, "lora_id": None}
+        | {"medium": "GPU", "lora_name": None}
+        | store
+        for store in stores
+    ]
+    payload = msgspec.msgpack.encode([0.0, events, 0])
+    return FlavourDecoder("vllm", tokens_encoded=True).decode(payload).events
+
+
+def test_a_relayed_store_whose_token_ids_are_not_ints_never_fails_the_relay() -> None:
+    """vLLM's token ids are relayed unchecked (only their count): an engine sending strings
+    has them relayed as sent, also where kvpubd cuts a store into runs (a block stored again)
+    and where a snapshot reads the blocks one by one."""
+    rank = make()
+    (first,) = vllm_stores({"block_hashes": [1, 2], "token_ids": ["a", "b", "c", "d"]})
+    (again,) = vllm_stores({"block_hashes": [1, 2, 3], "token_ids": list("abcdef")})
+    assert len(rank.out(first)) == 1
+    (run,) = rank.out(again)
+    assert isinstance(run, BlockStored)
+    assert run.block_hashes == [3] and list[Any](run.token_ids) == list("ef")
+    snapshot = {e.block_hashes[0]: e.token_ids for e in rank.relay.block_events(0, [1, 2, 3])}
+    expected: dict[Any, Any] = {1: list("ab"), 2: list("cd"), 3: list("ef")}
+    assert snapshot == expected
+
+
+def test_a_store_whose_extra_keys_are_not_one_per_block_is_not_kept() -> None:
+    rank = make()
+    short = stored(1, 2)
+    short.extra_keys = [("lora",)]
+    assert rank.out(short) == [] and rank.relay.non_dense_blocks == 2
+    assert rank.held() == set()
+
+
+def test_a_vllm_store_of_blocks_of_no_tokens_is_a_malformed_payload() -> None:
+    with pytest.raises(UpstreamPayloadError):
+        vllm_stores({"block_hashes": [1], "token_ids": [], "block_size": 0})

@@ -236,8 +236,10 @@ class Relay:
         return [convert(h) for h in raw]
 
     def _stored(self, event: BlockStored) -> None:
-        size, raw = event.block_size, event.block_hashes
-        if token_count(event.token_ids) != len(raw) * size:
+        size, raw, extra = event.block_size, event.block_hashes, event.extra_keys
+        if token_count(event.token_ids) != len(raw) * size or (
+            extra is not None and len(extra) != len(raw)
+        ):
             self.non_dense_blocks += len(raw)
             return
         hashes = self._converted(raw)

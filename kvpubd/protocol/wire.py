@@ -115,11 +115,13 @@ def token_count(tokens: list[int] | msgspec.Raw) -> int:
 
 _ARRAY16_HEAD = struct.Struct(">BH")
 _ARRAY32_HEAD = struct.Struct(">BI")
-_TOKEN_LIST = msgspec.msgpack.Decoder(list[int])
+# Whatever the array holds: a relay passes an engine's token ids on unchecked, cut into runs
+# or blocks as they are, and must not fail on them.
+_TOKEN_LIST = msgspec.msgpack.Decoder(list[Any])
 
 
 def token_list(tokens: list[int] | msgspec.Raw) -> list[int]:
-    """A store's token ids as a list (decoding an engine's encoded array)."""
+    """A store's token ids as a list (decoding an engine's encoded array, items unchecked)."""
     return _TOKEN_LIST.decode(tokens) if type(tokens) is msgspec.Raw else tokens
 
 
