@@ -10,6 +10,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 import urllib.request
 import uuid
 from typing import Any
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 # first (under heavy load the ticks fall far apart). A batch's fixed costs spread over this
 # many blocks are a few hundredths of a microsecond each.
 FLUSH_BLOCKS = 1024
+# Housekeeping of the published records per drain tick (see compact).
+COMPACT_BUDGET_S = 0.001
 # Engine events handled (upstream mode) between loop turns at most: about 1 ms of decoding and
 # relaying on the H200 host (vLLM reports each evicted block in an event of its own).
 TURN_EVENTS = 512
@@ -488,8 +491,12 @@ class RankPipeline:
     def compact(self) -> None:
         """One slice of housekeeping (the drain loop calls it): on the published records, and
         letting go of a finished snapshot that no request can use any more."""
+        # Slices until done or COMPACT_BUDGET_S is spent: a relay stores up to a million
+        # blocks a second, whose log entries must go as fast (a few tens of ns each when
+        # marked stale), yet no slice may hold a reset back for long.
+        deadline = time.perf_counter() + COMPACT_BUDGET_S
         for record in self.current_records():
-            if record.needs_compaction:
+            while record.needs_compaction and time.perf_counter() < deadline:
                 record.compact_some(retire=self._reaper.retire)
         job = self._snapshot
         if (
