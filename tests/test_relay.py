@@ -58,10 +58,8 @@ class Rank:
         return self.sink.drain()
 
     def held(self) -> set[Any]:
-        held = set()
-        for lane, record in enumerate(self.relay.records):
-            held |= {e.block_hashes[0] for e in self.relay.block_events(lane, list(record))}
-        return held
+        (record,) = self.relay.records
+        return {e.block_hashes[0] for e in self.relay.block_events(list(record))}
 
 
 make = Rank
@@ -145,7 +143,7 @@ def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
     rank = make()
     rank.out(stored(1, 2))
     rank.relay.clear(fence=True)
-    assert rank.relay.records == [] and len(rank.relay) == 0
+    assert len(rank.relay) == 0 and not list(rank.relay.records[0])
     assert any(isinstance(c, ValuedRecord) and len(c) == 2 for c in rank.retired)
 
 
@@ -196,7 +194,7 @@ def test_a_relayed_store_whose_token_ids_are_not_ints_never_fails_the_relay() ->
     (run,) = rank.out(again)
     assert isinstance(run, BlockStored)
     assert run.block_hashes == [3] and list[Any](run.token_ids) == list("ef")
-    snapshot = {e.block_hashes[0]: e.token_ids for e in rank.relay.block_events(0, [1, 2, 3])}
+    snapshot = {e.block_hashes[0]: e.token_ids for e in rank.relay.block_events([1, 2, 3])}
     expected: dict[Any, Any] = {1: list("ab"), 2: list("cd"), 3: list("ef")}
     assert snapshot == expected
 
@@ -212,3 +210,42 @@ def test_a_store_whose_extra_keys_are_not_one_per_block_is_not_kept() -> None:
 def test_a_vllm_store_of_blocks_of_no_tokens_is_a_malformed_payload() -> None:
     with pytest.raises(UpstreamPayloadError):
         vllm_stores({"block_hashes": [1], "token_ids": [], "block_size": 0})
+
+
+def test_token_ids_no_decoder_reads_never_fail_the_relay_either() -> None:
+    """A msgpack timestamp of the wrong length, a map keyed by a map: the array is relayed as
+    the engine encoded it, and where kvpubd must cut it (a run, a snapshot) its ids are None."""
+    bad_timestamp = msgspec.msgpack.encode([msgspec.msgpack.Ext(-1, b"\x00\x00\x00"), 1, 2, 3])
+    map_keyed_by_map = bytes([0x94, 0x81, 0x81, 0x01, 0x02, 0x03, 1, 2, 3])
+    for tokens in (bad_timestamp, map_keyed_by_map):
+        rank = make()
+        longer = bytes([0x96]) + tokens[1:] + bytes([4, 5])  # the same, and one block more
+        (first,) = vllm_stores({"block_hashes": [1, 2], "token_ids": msgspec.Raw(tokens)})
+        (again,) = vllm_stores({"block_hashes": [1, 2, 3], "token_ids": msgspec.Raw(longer)})
+        assert len(rank.out(first)) == 1
+        (run,) = rank.out(again)
+        assert isinstance(run, BlockStored) and run.block_hashes == [3]
+        assert list[Any](run.token_ids) == [None, None]
+        snapshot = rank.relay.block_events([1, 2, 3])
+        assert [e.block_hashes[0] for e in snapshot] == [1, 2, 3]
+        assert all(len(e.token_ids) == BS for e in snapshot)
+
+
+def test_a_snapshot_lists_a_parent_before_its_child_across_media() -> None:
+    """A GPU store under a block live only on CPU (offloaded, then evicted from the GPU) is
+    kept; a snapshot lists the blocks in publication order across media: the parent first."""
+    rank = make()
+    offloaded = stored(1)
+    offloaded.medium = "CPU"
+    rank.out(stored(1), offloaded, removed(1))
+    assert len(rank.out(stored(2, parent=1))) == 1
+    (record,) = rank.relay.records
+    snapshot = rank.relay.block_events(list(record))
+    assert [(e.medium, e.block_hashes[0]) for e in snapshot] == [("CPU", 1), ("GPU", 2)]
+
+
+def test_a_parent_is_converted_to_the_hash_format_even_where_the_hashes_are_not() -> None:
+    rank = make()
+    rank.out(stored(-5))  # kept as 2**64 - 5
+    assert rank.out(stored(7, parent=-5)) == [stored(7, parent=(1 << 64) - 5)]
+    assert rank.relay.orphans == 0 and rank.held() == {(1 << 64) - 5, 7}

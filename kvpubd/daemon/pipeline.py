@@ -473,7 +473,7 @@ class RankPipeline:
         """The stores of the blocks of record ``tier`` (see current_records): its ids are
         slot numbers, or the relay's block keys."""
         if self.relay is not None:
-            return self.relay.block_events(tier, block_ids)
+            return self.relay.block_events(block_ids)
         if tier == 0:
             return self.cache.block_events(block_ids)
         if self.cache.host is not None:
@@ -485,7 +485,8 @@ class RankPipeline:
     def _removed_block_event(self, tier: int, block_id: int) -> BlockStored:
         """The block's store, kept past its removal: its tokens copied out of the slot."""
         event = self.block_events(tier, [block_id])[0]
-        event.token_ids = np.array(event.token_ids)  # type: ignore[assignment]
+        if self.relay is None:  # the relay's are a list of their own already
+            event.token_ids = np.array(event.token_ids)  # type: ignore[assignment]
         return event
 
     def compact(self) -> None:

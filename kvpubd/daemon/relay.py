@@ -50,9 +50,13 @@ log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
 Lane = tuple[int | None, str | None]  # group_idx, medium
-# One lane's live blocks by hash, in publication order, each with the store that published
-# it: a block has no object of its own.
-LaneRecord = ValuedRecord[BlockHash, BlockStored]
+# A block's key: its hash in the first lane the engine stored in since the relay was last
+# cleared (vLLM's GPU group 0: the common case, no object made per block), (lane number,
+# hash) in any other (the same hash may be live in two groups or on two media).
+BlockKey = BlockHash | tuple[int, BlockHash]
+# Every live block by key, in publication order (parents before children, across lanes),
+# each with the store that published it: a block has no object of its own.
+Blocks = ValuedRecord[BlockKey, BlockStored]
 
 
 def hash_converter(hash_format: str) -> Callable[[BlockHash], BlockHash]:
@@ -98,14 +102,14 @@ class Relay:
         # The engine turns a reset into per-block removals (no AllBlocksCleared).
         self._clears_per_block = clears_per_block
         self._clear_timeout = clear_timeout
-        # Per lane (group_idx, medium), in the order the lanes appeared.
-        self._lanes: dict[Lane, LaneRecord] = {}
-        self._count = 0  # live blocks, every lane's
+        self._blocks: Blocks = ValuedRecord()
+        self._lanes: dict[Lane, int] = {}  # each lane's number, in the order they appeared
         # After a reset: None (not fencing), else the deadline and, for per-block engines,
         # the keys the engine must still remove.
         self._fence_until: float | None = None
-        # A per-block engine's blocks at the reset, per lane, that it must still remove.
-        self._fenced_lanes: dict[Lane, LaneRecord] = {}
+        # A per-block engine's blocks at the reset that it must still remove, and their lanes.
+        self._fence_blocks: tuple[Blocks, dict[Lane, int]] | None = None
+        self._decoded: tuple[BlockStored, list[Any], dict[BlockHash, int]] | None = None
         self.dropped_by_reset = 0  # engine events dropped as from before its clear
         self.fences_timed_out = 0
         self.duplicates = 0  # blocks stored again while live, not repeated
@@ -116,12 +120,12 @@ class Relay:
         self.non_dense_blocks = 0
 
     def __len__(self) -> int:
-        return self._count
+        return len(self._blocks)
 
     @property
-    def records(self) -> Sequence[LaneRecord]:
-        """Each lane's record, in the order the lanes appeared (a snapshot's tiers)."""
-        return list(self._lanes.values())
+    def records(self) -> Sequence[Blocks]:
+        """The record of the live blocks (a snapshot's one tier)."""
+        return [self._blocks]
 
     # -- what the control socket does -------------------------------------------------------
 
@@ -129,21 +133,19 @@ class Relay:
         """Forget every block in O(1) (the pipeline publishes the marker); the old containers
         go to the reaper. ``fence``: a reset on the control socket, after which the engine's
         events from before its own clear are dropped (see the module docstring)."""
-        old = self._lanes
-        self._lanes, self._count = {}, 0
+        old, lanes = self._blocks, self._lanes
+        self._blocks, self._lanes, self._decoded = ValuedRecord(), {}, None
         self._end_fence()
         if fence:
             self._fence_until = time.monotonic() + self._clear_timeout
-            if self._clears_per_block:
-                # What the engine must remove (retired once it has); holding nothing, it has
-                # nothing to remove: no fence.
-                self._fenced_lanes = {lane: record for lane, record in old.items() if len(record)}
-                for record in self._fenced_lanes.values():
-                    record.close_views()  # no snapshot reads it any more
-                if not self._fenced_lanes:
-                    self._fence_until = None
+            if self._clears_per_block and len(old):
+                # What the engine must remove (retired once it has).
+                old.close_views()  # no snapshot reads it any more
+                self._fence_blocks = (old, lanes)
                 return
-        self._retire(*old.values())
+            if self._clears_per_block:
+                self._fence_until = None  # holding nothing, it has nothing to remove
+        self._retire(old)
 
     @property
     def fencing(self) -> bool:
@@ -205,21 +207,19 @@ class Relay:
         self.dropped_by_reset += 1
         if isinstance(event, AllBlocksCleared) and not self._clears_per_block:
             self._end_fence()  # the engine's clear: what follows is after it
-        elif isinstance(event, BlockRemoved) and self._clears_per_block:
-            lane, fenced = (event.group_idx, event.medium), self._fenced_lanes
-            held = fenced.get(lane)
-            if held is not None:
-                held.forget(self._converted(event.block_hashes))
-                if not len(held):
-                    self._retire(fenced.pop(lane))
-            if not fenced:
+        elif isinstance(event, BlockRemoved) and self._fence_blocks is not None:
+            held, lanes = self._fence_blocks
+            number = lanes.get((event.group_idx, event.medium))
+            if number is not None:
+                held.forget(_keys(number, self._converted(event.block_hashes)))
+            if not len(held):
                 self._end_fence()
 
     def _end_fence(self) -> None:
         self._fence_until = None
-        if self._fenced_lanes:
-            self._retire(*self._fenced_lanes.values())
-        self._fenced_lanes = {}
+        if self._fence_blocks is not None:
+            self._retire(self._fence_blocks[0])
+        self._fence_blocks = None
 
     def _engine_cleared(self) -> None:
         self._on_engine_clear()
@@ -247,22 +247,28 @@ class Relay:
             # Routers key LoRA blocks by name (Dynamo ignores lora_id): the name kvpubd gives
             # where it owns the pool.
             event = msgspec.structs.replace(event, lora_name=f"lora-{event.lora_id}")
-        record = self._lanes.get((event.group_idx, event.medium))
-        if record is None:
-            record = self._lanes[event.group_idx, event.medium] = ValuedRecord()
+        lane = (event.group_idx, event.medium)
+        number = self._lanes.get(lane)
+        if number is None:
+            number = self._lanes[lane] = len(self._lanes)
         parent = event.parent_block_hash
-        if parent is not None and (hashes is not raw):
+        if parent is not None:
             parent = self._hash(parent)
-        if hashes is not raw or parent is not event.parent_block_hash:
+        if hashes is not raw or parent != event.parent_block_hash:
             event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
-        count = len(hashes)
-        chained = parent is None or parent in record or self._parent_live(event, parent)
-        if chained and self._count + count <= self._max_blocks and record.add_valued(hashes, event):
+        count, blocks = len(hashes), self._blocks
+        chained = (
+            parent is None or _key(number, parent) in blocks or self._parent_live(event, parent)
+        )
+        if (
+            chained
+            and len(blocks) + count <= self._max_blocks
+            and blocks.add_valued(_keys(number, hashes), event)
+        ):
             # All new (the common case): the event goes out as it came.
-            self._count += count
             self.sink.relayed(event, count)
             return
-        self._stored_some(event, record, chained)
+        self._stored_some(event, number, chained)
 
     def _parent_live(self, event: BlockStored, parent: BlockHash) -> bool:
         """Whether a store's parent is live in its group on another medium (a copy on
@@ -272,19 +278,19 @@ class Relay:
             and event.kv_cache_spec_kind not in FULL_ATTENTION_KINDS
         ):
             return True
-        group = event.group_idx
-        return any(parent in record for (g, _), record in self._lanes.items() if g == group)
+        group, blocks = event.group_idx, self._blocks
+        return any(_key(n, parent) in blocks for (g, _), n in self._lanes.items() if g == group)
 
-    def _stored_some(self, event: BlockStored, record: LaneRecord, chained: bool) -> None:
+    def _stored_some(self, event: BlockStored, number: int, chained: bool) -> None:
         """A store some of whose blocks are live already (vLLM republishes the blocks a prefix
         hit reuses), under a parent that is not live, or past max_blocks: its new blocks go
         out as runs."""
-        hashes = event.block_hashes
+        hashes, blocks = event.block_hashes, self._blocks
         run_start: int | None = None
-        count = self._count
+        count = len(blocks)
         seen: set[BlockHash] = set()  # earlier in this store
         for i, block_hash in enumerate(hashes):
-            duplicate = block_hash in record or block_hash in seen
+            duplicate = _key(number, block_hash) in blocks or block_hash in seen
             if duplicate or not chained or count >= self._max_blocks:
                 if duplicate:
                     self.duplicates += 1
@@ -294,7 +300,7 @@ class Relay:
                     self.over_limit += 1
                 chained = duplicate  # the next block hangs under this one
                 if run_start is not None:
-                    self._publish_run(event, record, run_start, i)
+                    self._publish_run(event, number, run_start, i)
                     run_start = None
                 continue
             if run_start is None:
@@ -302,9 +308,9 @@ class Relay:
             seen.add(block_hash)
             count += 1
         if run_start is not None:
-            self._publish_run(event, record, run_start, len(hashes))
+            self._publish_run(event, number, run_start, len(hashes))
 
-    def _publish_run(self, event: BlockStored, record: LaneRecord, start: int, end: int) -> None:
+    def _publish_run(self, event: BlockStored, number: int, start: int, end: int) -> None:
         size, extra, hashes = event.block_size, event.extra_keys, event.block_hashes
         run = plain_store(
             event,
@@ -313,40 +319,33 @@ class Relay:
             token_ids=token_list(event.token_ids)[start * size : end * size],
             extra_keys=None if extra is None else extra[start:end],
         )
-        added = record.add_valued(run.block_hashes, run)
+        added = self._blocks.add_valued(_keys(number, run.block_hashes), run)
         assert added, "a run holds new blocks only"
-        self._count += end - start
         self.sink.relayed(run, end - start)
 
     def _removed(self, lane: Lane, raw: list[BlockHash]) -> None:
-        record = self._lanes.get(lane)
+        number = self._lanes.get(lane)
         hashes = self._converted(raw)
-        if record is None:
+        if number is None:
             self.unknown_removals += len(hashes)
             return
         # Blocks never stored (or forgotten) are not named.
-        named = record.discard_named(hashes, hashes)
+        named = self._blocks.discard_named(_keys(number, hashes), hashes)
         self.unknown_removals += len(hashes) - len(named)
         if named:
-            self._count -= len(named)
             group, medium = lane
             self.sink.relayed(BlockRemoved(named, medium, group), len(named))
 
     # -- snapshots ---------------------------------------------------------------------------
 
-    def block_events(self, lane: int, hashes: list[BlockHash]) -> list[BlockStored]:
-        """Blocks of the ``lane``-th lane (see records) as one-block stores, each with its
-        chain parent's hash."""
-        store_of = list(self._lanes.values())[lane].value
+    def block_events(self, keys: list[BlockKey]) -> list[BlockStored]:
+        """The blocks as one-block stores, each with its chain parent's hash."""
+        store_of = self._blocks.value
         events = []
-        tokens: list[int] = []
-        where: dict[BlockHash, int] = {}
-        last: BlockStored | None = None
-        for block_hash in hashes:
-            event = store_of(block_hash)
-            if event is not last:  # a snapshot meets a store's blocks one after the other
-                last, tokens = event, token_list(event.token_ids)
-                where = {h: i for i, h in enumerate(event.block_hashes)}
+        for key in keys:
+            block_hash = key[1] if isinstance(key, tuple) else key
+            event = store_of(key)
+            tokens, where = self._decode(event)
             i = where[block_hash]
             size, extra, hashes = event.block_size, event.extra_keys, event.block_hashes
             events.append(
@@ -359,6 +358,24 @@ class Relay:
                 )
             )
         return events
+
+    def _decode(self, event: BlockStored) -> tuple[list[Any], dict[BlockHash, int]]:
+        """A store's token ids as a list and its blocks' places, kept for the next call: a
+        snapshot (a slice at a time) or an engine's evictions while one is open (a block at
+        a time) meet a store's blocks one after the other."""
+        decoded = self._decoded
+        if decoded is None or decoded[0] is not event:
+            where = {h: i for i, h in enumerate(event.block_hashes)}
+            decoded = self._decoded = (event, token_list(event.token_ids), where)
+        return decoded[1], decoded[2]
+
+
+def _key(number: int, block_hash: BlockHash) -> BlockKey:
+    return block_hash if number == 0 else (number, block_hash)
+
+
+def _keys(number: int, hashes: list[BlockHash]) -> list[BlockKey]:
+    return hashes if number == 0 else [(number, h) for h in hashes]  # type: ignore[return-value]
 
 
 def plain_store(event: BlockStored, **changes: Any) -> BlockStored:

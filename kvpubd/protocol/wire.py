@@ -120,9 +120,15 @@ _ARRAY32_HEAD = struct.Struct(">BI")
 _TOKEN_LIST = msgspec.msgpack.Decoder(list[Any])
 
 
-def token_list(tokens: list[int] | msgspec.Raw) -> list[int]:
-    """A store's token ids as a list (decoding an engine's encoded array, items unchecked)."""
-    return _TOKEN_LIST.decode(tokens) if type(tokens) is msgspec.Raw else tokens
+def token_list(tokens: list[int] | msgspec.Raw) -> list[Any]:
+    """A store's token ids as a list (decoding an engine's encoded array, items unchecked;
+    items no decoder can read, which a relay passed on as they came, as None)."""
+    if type(tokens) is not msgspec.Raw:
+        return tokens
+    try:
+        return _TOKEN_LIST.decode(tokens)
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return [None] * token_count(tokens)
 
 
 class EventBatch(msgspec.Struct, array_like=True, gc=False):

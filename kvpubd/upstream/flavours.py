@@ -215,6 +215,9 @@ class FlavourDecoder:
                 event.medium = self._medium(medium)  # type: ignore[union-attr]
             if kind is wire.RelayedStored:
                 wire.token_count(event.token_ids)  # type: ignore[union-attr]
+                # Its own bytes: a view into the payload would keep the whole batch alive
+                # as long as one of its blocks is.
+                event.token_ids = event.token_ids.copy()  # type: ignore[union-attr]
                 if event.block_size < 1:  # type: ignore[union-attr]
                     raise ValueError("block_size must be at least 1")
         return events
