@@ -145,9 +145,8 @@ class PublishedRecord(Generic[K]):
         if self._new_log is None:
             # Marked stale where they stand: trimming and compaction then pass them without
             # looking each up (a miss in a large dict of scattered keys costs about 0.3 us).
-            indices = list(map(sub, found, repeat(self._base)))
-            deque(map(self._log.__setitem__, indices, repeat(None)), 0)
-            self._marked(indices)
+            log, base = self._log, self._base
+            deque(map(log.__setitem__, map(sub, found, repeat(base)), repeat(None)), 0)
         return names
 
     def freeze(self, capture: Callable[[K], Any]) -> FrozenView[K] | None:
@@ -236,10 +235,6 @@ class PublishedRecord(Generic[K]):
         self._head = start
         return True
 
-    def _marked(self, indices: list[int]) -> None:
-        """The log's entries at ``indices`` were marked stale (for a subclass that keeps more
-        per entry)."""
-
     def _trimmed(self, head: int, end: int, current: list[bool]) -> None:
         """The log's entries from ``head`` to ``end`` were trimmed, the ``current`` ones moved
         to the end of that span (for a subclass that keeps more per entry)."""
@@ -309,11 +304,6 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
         old = self._values
         self._values, self._new_values = self._new_values, []
         return (old,)
-
-    def _marked(self, indices: list[int]) -> None:
-        # What they kept goes now, not when the log is trimmed: a store stays alive only
-        # while one of its blocks is.
-        deque(map(self._values.__setitem__, indices, repeat(None)), 0)
 
     def _trimmed(self, head: int, end: int, current: list[bool]) -> None:
         values = self._values

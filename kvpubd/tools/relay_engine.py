@@ -159,6 +159,7 @@ def run_engine(
                 lora_id=None,
                 medium="GPU",
                 lora_name=None,
+                group_idx=GROUP,  # as every measured store: one lane, as vLLM's
             )
             publisher.publish(kv.KVEventBatch(ts=time.time(), events=[block]))
             warm += 1
