@@ -460,7 +460,7 @@ class RankPipeline:
 
     def current_records(self) -> list[PublishedRecord[Any]]:
         """The published records: the pool's, then the host tier's, then those of a hybrid
-        cache's other groups (upstream mode: the relay's, one per lane)."""
+        cache's other groups (upstream mode: the relay's alone)."""
         if self.relay is not None:
             return list(self.relay.records)
         sink = self.sink

@@ -20,8 +20,9 @@ captures what routers need into the rank's sink:
   until it has removed every block it held at the reset; at most ``clear_timeout`` seconds
   either way.
 
-Each block is a one-block store under an id of its own, in a published record, so snapshots,
-replays of lost history and the snapshot endpoint read the relay as they read a pool.
+The live blocks are one published record, in publication order, each entry keeping the store
+that published it (a block has no object of its own): snapshots, replays of lost history and the
+snapshot endpoint read the relay as they read a pool, each block a one-block store.
 """
 
 from __future__ import annotations

@@ -216,12 +216,8 @@ class SnapshotJob:
         records = [view.record for view in views]
         for tier, view in enumerate(views):
             while not view.finished:
-                # A reset replaced a record (a record added since, the relay's new lane,
-                # holds nothing the views must show).
                 current = source.current_records()
-                if len(current) < len(records) or any(
-                    now is not then for now, then in zip(current, records, strict=False)
-                ):
+                if any(now is not then for now, then in zip(current, records, strict=True)):
                     return None
                 deadline = time.perf_counter() + SLICE_S
                 events: list[BlockStored] = []
