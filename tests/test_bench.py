@@ -200,14 +200,18 @@ def test_bench_throughput_against_vllm_still_measures_the_daemon_without_its_fil
 
 @pytest.mark.skipif(bool(missing_files()), reason="vLLM's files not extracted")
 def test_bench_throughput_against_vllm_sets_vllms_pool_beside_the_daemon() -> None:
-    result = bench("throughput", "--requests", "10", "--window", "4", "--num-blocks", "4096",
+    result = bench("throughput", "--requests", "40", "--window", "4", "--num-blocks", "4096",
                    "--hash-algorithm", "xxhash", "--against-vllm")  # fmt: skip
     beside = result["vllm_blockpool"]
     # The same prompts in a pool as large: the same blocks stored.
     assert beside["vllm_stored_blocks"] == result["blocks"]
-    assert beside["ratio"] == pytest.approx(
-        beside["vllm_us_per_block"] / result["daemon_cpu_us_per_block"], abs=1e-3
-    )
+    daemon_us = result["daemon_cpu_us_per_block"]
+    if daemon_us:
+        assert beside["ratio"] == pytest.approx(beside["vllm_us_per_block"] / daemon_us, abs=1e-3)
+    else:
+        # The daemon's CPU is read in the kernel's ticks (10 ms): a short run may read 0,
+        # and then there is no ratio rather than a division by zero.
+        assert beside["ratio"] is None
 
 
 @pytest.mark.skipif(bool(missing_files()), reason="vLLM's files not extracted")
