@@ -239,8 +239,17 @@ class RankPipeline:
                         relay.restart("the engine restarted")
                     elif batch.condition & Condition.LOST:
                         relay.restart(f"{batch.missing_before} engine batch(es) lost")
-                relay.apply(batch.events)
-                since_turn += len(batch.events)
+                events = batch.events
+                for start in range(0, len(events), TURN_EVENTS):
+                    part = events[start : start + TURN_EVENTS]
+                    if since_turn and since_turn + len(part) > TURN_EVENTS:
+                        # A turn first: never more than TURN_EVENTS engine events in one (a
+                        # large batch, thousands of evictions, goes a slice at a time).
+                        self._flush_if_full()
+                        since_turn = 0
+                        await asyncio.sleep(0)
+                    relay.apply(part)
+                    since_turn += len(part)
                 while self._drain.paused:  # read no more than goes out
                     await asyncio.sleep(0.01)
                 flush = not follower.more_ready or self.sink.pending_blocks >= FLUSH_BLOCKS
@@ -249,7 +258,8 @@ class RankPipeline:
                 # The follower hands over a burst of batches with no turn of its own, and a
                 # reset must not wait behind all of them: a turn per flush, and one at least
                 # every TURN_EVENTS (batches that publish nothing, as while a reset drops the
-                # engine's events before its clear, are never flushed).
+                # engine's events before its clear, are never flushed; see above for one
+                # large batch).
                 if flush or since_turn >= TURN_EVENTS:
                     since_turn = 0
                     await asyncio.sleep(0)
