@@ -190,9 +190,8 @@ class PublishedRecord(Generic[K]):
         start, stop = self._read, min(len(log), self._read + step)
         chunk: list[Any] = log[start:stop]
         if self._renumber:
-            # In C, no bytecode per entry (paid again for every block a busy rank stores):
-            # the current entries of the slice, renumbered in order behind those kept before.
-            current = list(map(eq, map(entry.get, chunk), range(base + start, base + stop)))
+            # The current entries of the slice, renumbered in order behind those kept before.
+            current = self._current(chunk, base + start)
             kept = list(compress(chunk, current))
             entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))
             new_log += kept
@@ -223,7 +222,7 @@ class PublishedRecord(Generic[K]):
             current: list[bool] = []
             kept: list[Any] = []
         else:
-            current = list(map(eq, map(entry.get, chunk), range(first, first + len(chunk))))
+            current = self._current(chunk, first)
             kept = list(compress(chunk, current))
             if len(kept) * 4 > len(chunk):
                 return False  # the front is mostly current: compaction's work, if any
@@ -234,6 +233,11 @@ class PublishedRecord(Generic[K]):
         self._trimmed(head, end, current)
         self._head = start
         return True
+
+    def _current(self, chunk: list[Any], first: int) -> list[bool]:
+        """Which of the log entries ``chunk``, from position ``first`` on, are current; in C,
+        no bytecode per entry (paid again for every block a busy rank stores)."""
+        return list(map(eq, map(self._entry.get, chunk), range(first, first + len(chunk))))
 
     def _trimmed(self, head: int, end: int, current: list[bool]) -> None:
         """The log's entries from ``head`` to ``end`` were trimmed, the ``current`` ones moved

@@ -259,9 +259,7 @@ class Relay:
             event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
         count, blocks = len(hashes), self._blocks
         chained = (
-            parent is None
-            or (parent if number == 0 else (number, parent)) in blocks
-            or self._parent_live(event, parent)
+            parent is None or _key(number, parent) in blocks or self._parent_live(event, parent)
         )
         if (
             chained
