@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
@@ -225,17 +226,16 @@ def measure_relay(
 def _time_resets(daemon: DaemonProcess, resets: int, idle_ms: float) -> dict[str, Any]:
     """Reset sent -> AllBlocksCleared received on kvpubd's stream, the engine idle."""
     probe = ResetProbe(daemon)
+
+    def idle(_: int) -> bool:
+        probe.drain_sub(idle_ms / 1000)  # the daemon and the engine are idle
+        return True
+
     try:
         probe.wait_connected()
-        markers, replies = [], []
-        for _ in range(resets):
-            probe.drain_sub(idle_ms / 1000)  # the daemon and the engine are idle
-            marker, reply = probe.time_reset()
-            markers.append(marker)
-            replies.append(reply)
+        return _timed_resets(probe, resets, idle)
     finally:
         probe.close()
-    return {**summary(markers), "reply": summary(replies)}
 
 
 def _time_loaded_resets(
@@ -244,23 +244,35 @@ def _time_loaded_resets(
     """Reset sent -> AllBlocksCleared received on kvpubd's stream while the engine publishes
     ``batches``, one per ``interval_s``: up to ``resets``, each once kvpubd relays again."""
     probe = ResetProbe(daemon)
-    markers: list[int] = []
-    replies: list[int] = []
     try:
         probe.wait_connected()
         children.close_subscribers()  # nobody left to read their streams
         children.build(batches)
         children.engine.send(("run", interval_s))
-        while len(markers) < resets and not (markers and children.engine.poll(0)):
-            if not probe.wait_relaying(timeout=5.0):
-                break  # the engine has finished
-            marker, reply = probe.time_reset()
-            markers.append(marker)
-            replies.append(reply)
+        timed = _timed_resets(
+            probe,
+            resets,
+            # Until the engine has finished (a first reset in any case).
+            lambda done: (
+                not (done and children.engine.poll(0)) and probe.wait_relaying(timeout=5.0)
+            ),
+        )
         answer(children.engine, "the engine", PHASE_TIMEOUT_S)
     finally:
         probe.close()
-    return {**summary(markers), "reply": summary(replies), "engine_batches": len(batches)}
+    return {**timed, "engine_batches": len(batches)}
+
+
+def _timed_resets(probe: ResetProbe, resets: int, ready: Callable[[int], bool]) -> dict[str, Any]:
+    """Up to ``resets`` resets timed, each once ``ready(resets timed so far)``; none more
+    once it says False."""
+    markers: list[int] = []
+    replies: list[int] = []
+    while len(markers) < resets and ready(len(markers)):
+        marker, reply = probe.time_reset()
+        markers.append(marker)
+        replies.append(reply)
+    return {**summary(markers), "reply": summary(replies)}
 
 
 def bench_relay(
