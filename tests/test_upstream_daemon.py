@@ -341,6 +341,35 @@ def engine_reset() -> Iterator[Callable[[Callable[[], None]], EngineReset]]:
         server.close()
 
 
+def reset_in_front_of_the_engine(
+    model: EngineModel,
+    router: Router,
+    daemon: Daemon,
+    server: EngineReset,
+    pre_clear: list[Key],
+    after_clear: list[Key],
+) -> int:
+    """A reset on the control socket, whose reset_url has the engine publish ``pre_clear``
+    blocks, its clear (its AllBlocksCleared or per-block removals), then two stores of
+    ``after_clear``: kvpubd's marker at once (the next batch), none of the engine's blocks
+    from before its clear anywhere, its two stores after the marker. Returns the marker's
+    seq."""
+    last_before = router.batches[-1].seq
+    model.forget()  # kvpubd's reset: before the engine is called
+    with daemon.client() as client:
+        (marker,) = client.reset().markers
+    assert marker.seq == last_before + 1  # at once, before anything the engine does
+    assert server.done.wait(WAIT_S)
+    router.until(after_clear[-1])
+    after = router.after(marker.seq)
+    assert [name for name, _ in after] == ["BlockStored", "BlockStored"], after
+    assert stored_keys(after) == set(after_clear)
+    seen = {key for batch in router.batches for _, keys in batch.events for key in keys}
+    assert not seen & set(pre_clear)
+    assert_exact(model, router, daemon)
+    return marker.seq
+
+
 def test_reset_fences_the_engines_events_before_its_clear(
     engine: Engine,
     vllm_kv: types.ModuleType,
@@ -372,22 +401,10 @@ def test_reset_fences_the_engines_events_before_its_clear(
     for _ in range(3):
         model.publish(*model.random_events(3))
     assert_exact(model, router, daemon)
-    last_before = router.batches[-1].seq
-    model.forget()  # kvpubd's reset: before the engine is called
-    with daemon.client() as client:
-        (marker,) = client.reset().markers
-    assert marker.seq == last_before + 1  # at once, before anything the engine does
-    assert server.done.wait(WAIT_S)
-    router.until(after_clear[-1])
-    assert router.batches[[b.seq for b in router.batches].index(marker.seq)].events == [
+    marker_seq = reset_in_front_of_the_engine(model, router, daemon, server, pre_clear, after_clear)
+    assert router.batches[[b.seq for b in router.batches].index(marker_seq)].events == [
         ("AllBlocksCleared", [])
     ]
-    after = router.after(marker.seq)
-    assert [name for name, _ in after] == ["BlockStored", "BlockStored"], after
-    assert stored_keys(after) == set(after_clear)
-    seen = {key for batch in router.batches for _, keys in batch.events for key in keys}
-    assert not seen & set(pre_clear)
-    assert_exact(model, router, daemon)
     assert server.calls == 1
 
 
@@ -476,19 +493,7 @@ def test_reset_trtllm_per_block_removals(
         model.publish(*model.random_events(3, host_tier=False))
     assert_exact(model, router, daemon)
     assert len(model.held) >= 3
-    last_before = router.batches[-1].seq
-    model.forget()  # kvpubd's reset: before the engine is called
-    with daemon.client() as client:
-        (marker,) = client.reset().markers
-    assert marker.seq == last_before + 1
-    assert server.done.wait(WAIT_S)
-    router.until(after_clear[-1])
-    after = router.after(marker.seq)
-    assert [name for name, _ in after] == ["BlockStored", "BlockStored"], after
-    assert stored_keys(after) == set(after_clear)
-    seen = {key for batch in router.batches for _, keys in batch.events for key in keys}
-    assert not seen & set(pre_clear)
-    assert_exact(model, router, daemon)
+    reset_in_front_of_the_engine(model, router, daemon, server, pre_clear, after_clear)
 
 
 # -- Dynamo's indexer in front of kvpubd in front of vLLM ------------------------------------

@@ -268,12 +268,9 @@ async def test_a_flood_is_bounded_by_the_high_water_marks_and_repaired(
     assert counters.lost == 0
 
 
-async def test_a_restart_during_a_silence_is_found_by_the_idle_check(
-    engine: Engine, relay: Relay
-) -> None:
-    """No batch of the restarted engine reaches the follower live: the idle check's replay of
-    the last batch taken comes back different, and the new engine's history is given out."""
-    collector = Collector(
+def idle_checking(engine: Engine, relay: Relay) -> Collector:
+    """A follower of ``engine`` through ``relay`` that checks the engine when it falls silent."""
+    return Collector(
         EngineFollower(
             relay.endpoint,
             engine.replay_endpoint,
@@ -282,6 +279,14 @@ async def test_a_restart_during_a_silence_is_found_by_the_idle_check(
             replay_timeout=0.5,  # the first engine's replay socket is gone for a while
         )
     )
+
+
+async def test_a_restart_during_a_silence_is_found_by_the_idle_check(
+    engine: Engine, relay: Relay
+) -> None:
+    """No batch of the restarted engine reaches the follower live: the idle check's replay of
+    the last batch taken comes back different, and the new engine's history is given out."""
+    collector = idle_checking(engine, relay)
     key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
     before = key
     await collector.until(lambda: len(collector.batches) == before, "the first engine's")
@@ -309,15 +314,7 @@ async def test_a_restart_with_fewer_batches_during_a_silence_is_found(
     received live: after the lost connection, the idle check's replay from the last batch
     taken comes back empty, which the same engine never answers (its ring always holds its
     newest batch); the new engine's history is given out from its seq 0."""
-    collector = Collector(
-        EngineFollower(
-            relay.endpoint,
-            engine.replay_endpoint,
-            flavour="sglang" if engine.flavour == "sglang" else "vllm",
-            idle_check=0.05,
-            replay_timeout=0.5,  # the first engine's replay socket is gone for a while
-        )
-    )
+    collector = idle_checking(engine, relay)
     key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
     for _ in range(5):
         engine.publish(key)
