@@ -20,7 +20,7 @@ import functools
 import operator
 import struct
 from collections import deque
-from typing import Any, ClassVar, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 import msgspec
 import numpy as np
@@ -90,6 +90,8 @@ class RelayedStored(BlockStored, tag="BlockStored"):
     exactly as a ``BlockStored`` holding those ids."""
 
     token_ids: msgspec.Raw  # type: ignore[assignment]
+    # Checked as it is decoded: an engine's store of blocks of no tokens is refused.
+    block_size: Annotated[int, msgspec.Meta(ge=1)]
 
 
 def token_count(tokens: list[int] | msgspec.Raw) -> int:

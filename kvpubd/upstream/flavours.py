@@ -218,8 +218,6 @@ class FlavourDecoder:
                 # Its own bytes: a view into the payload would keep the whole batch alive
                 # as long as one of its blocks is.
                 event.token_ids = event.token_ids.copy()  # type: ignore[union-attr]
-                if event.block_size < 1:  # type: ignore[union-attr]
-                    raise ValueError("block_size must be at least 1")
         return events
 
     def _event(self, obj: Any) -> Any:
