@@ -12,14 +12,17 @@ from hypothesis import strategies as st
 
 from kvpubd.daemon import published
 from kvpubd.daemon.published import FrozenView, PublishedRecord, ValuedRecord
+from kvpubd.daemon.sink import block_record
+
+BLOCKS = 64
 
 
 class Model:
     """The record as the daemon drives it, beside a plain ordered dict of what is live, and a
     per-block 'data' that changes whenever a block id is reused."""
 
-    def __init__(self) -> None:
-        self.record: PublishedRecord[int] = PublishedRecord()
+    def __init__(self, record: PublishedRecord[int] | None = None) -> None:
+        self.record: PublishedRecord[int] = PublishedRecord() if record is None else record
         self.live: dict[int, str] = {}  # block id -> data, in publication order
         self.generation = 0
 
@@ -35,6 +38,18 @@ class Model:
     def remove(self, block_id: int) -> None:
         assert self.record.discard(block_id)
         del self.live[block_id]
+
+    def remove_named(self, block_ids: list[int], unpublished: list[int]) -> None:
+        """The pool's removals: published blocks and never published ones, in one call."""
+        names = [f"name{block_id}" for block_id in block_ids + unpublished]
+        named = self.record.discard_named(block_ids + unpublished, names)
+        assert named == names[: len(block_ids)]
+        for block_id in block_ids:
+            del self.live[block_id]
+
+    def clear(self) -> None:
+        self.record = self.record.successor()
+        self.live.clear()
 
 
 def drain(view: FrozenView[int], model: Model, step: int = 3) -> list[tuple[int, str]]:
@@ -120,26 +135,40 @@ def test_compaction_waits_for_views_and_keeps_order() -> None:
     assert len(model.record) == len(model.live)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.data())
 def test_random_histories(data: st.DataObject) -> None:
-    """Random interleavings of publications, removals, id reuse, views and compaction."""
+    """Random interleavings of publications, removals (one, or the pool's bulk removals with
+    never published blocks among them), id reuse, views, compaction and clears; with a
+    record of any keys and with a pool's (block ids, no hashing, its table shared with the
+    records that follow it)."""
     rng = random.Random(data.draw(st.integers(0, 2**32)))
     # Slack 0: every trim, cut and compaction path is taken in a short history.
     slack = data.draw(st.sampled_from([0, 3, published.COMPACT_SLACK]))
+    pools = data.draw(st.booleans())
     with patch.object(published, "COMPACT_SLACK", slack):
-        model = Model()
-        views = []
-        free = list(range(64))
+        model = Model(block_record(BLOCKS) if pools else None)
+        views: list[tuple[FrozenView[int], list[tuple[int, str]]]] = []
+        free = list(range(BLOCKS))
         for _ in range(data.draw(st.integers(1, 200))):
             action = rng.random()
             if action < 0.45 and free:
                 run = [free.pop(rng.randrange(len(free))) for _ in range(rng.randint(1, 3)) if free]
                 model.publish(run)
-            elif action < 0.8 and model.live:
+            elif action < 0.7 and model.live:
                 block_id = rng.choice(list(model.live))
                 model.remove(block_id)
                 free.append(block_id)
+            elif action < 0.8 and model.live:
+                removed = rng.sample(list(model.live), rng.randint(1, min(4, len(model.live))))
+                model.remove_named(removed, free[: rng.randint(0, 2)])
+                free += removed
+            elif action < 0.82:
+                for open_view, _expected in views:
+                    open_view.close()  # a clear abandons every snapshot under way
+                views = []
+                free += list(model.live)
+                model.clear()
             elif action < 0.9:
                 view = model.record.freeze(model.data)
                 if view is not None:
@@ -150,6 +179,8 @@ def test_random_histories(data: st.DataObject) -> None:
                 view.close()
             else:
                 model.record.compact_some(step=rng.randint(1, 50))
+            assert len(model.record) == len(model.live)
+            assert all((block_id in model.record) == (block_id in model.live) for block_id in free)
         for view, expected in views:
             assert drain(view, model) == expected
             view.close()

@@ -116,6 +116,7 @@ class RankCache:
             device, primary.num_blocks, primary.block_bytes, config.scrub_on_free, rank, pool_name
         )
         self.index = RadixIndex(primary.num_blocks)
+        sink.size_records(primary.num_blocks, config.host_blocks)
         self.groups: list[SecondaryGroup] = []
         try:
             for spec in specs:

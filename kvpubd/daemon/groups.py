@@ -87,7 +87,8 @@ class SecondaryGroup:
         self.pool = pool
         self.sink = sink
         assert spec.idx is not None
-        self.lane: GroupLane = sink.add_lane(GroupTag(spec.idx, spec.kind, spec.sliding_window))
+        tag = GroupTag(spec.idx, spec.kind, spec.sliding_window)
+        self.lane: GroupLane = sink.add_lane(tag, spec.num_blocks)
         self.wire_hash = wire_hash
 
     # -- a store ------------------------------------------------------------------------------

@@ -20,12 +20,11 @@ announced.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from itertools import repeat
 from typing import Any
 
 import numpy as np
 
+from kvpubd.daemon.block_tables import DigestDict, LruQueue
 from kvpubd.daemon.pool import BlockPool, HostPool
 from kvpubd.daemon.tier_copy import TierCopier, create_copier
 from kvpubd.protocol.hashing import TOKEN_DTYPE
@@ -49,7 +48,8 @@ class HostTier:
         except BaseException:
             self.pool.close()
             raise
-        self.slot_of: dict[bytes, int] = {}
+        # Neither map nor queue is one hash table, so none is rebuilt at once (block_tables.py).
+        self.slot_of: DigestDict[int] = DigestDict()
         self.digest: list[bytes] = [b""] * capacity
         # The chain parent's digest, whichever tier holds it (None: a prompt's first block).
         self.parent_digest: list[bytes | None] = [None] * capacity
@@ -57,7 +57,7 @@ class HostTier:
         self.tokens = np.zeros((capacity, block_size), dtype=TOKEN_DTYPE)
         self._stored_in: list[int] = [0] * capacity  # the announce epoch of its store
         self._holds: list[int] = [0] * capacity
-        self._lru: OrderedDict[int, None] = OrderedDict()  # live, unheld slots, oldest first
+        self._lru = LruQueue(capacity)  # live, unheld slots, oldest first
         self._watermark = 0  # slots at and above it were never used since the last clear
         self.generation = 0  # bumped by every clear
         # A reset of the pool alone announces the blocks stored before it: slots below
@@ -66,7 +66,7 @@ class HostTier:
         self._announce_next = 0
         self._announce_end = 0
         # Blocks of cleared tiers whose removal is still to publish (digest -> old slot).
-        self._removals: list[dict[bytes, int]] = []
+        self._removals: list[DigestDict[int]] = []
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -80,7 +80,7 @@ class HostTier:
         """The slots of the longest prefix of ``digests`` held here."""
         if not digests or digests[0] not in self.slot_of:
             return []  # the usual case: no lookup of every block of a new prompt
-        found = list(map(self.slot_of.get, digests))  # in C: no bytecode per block
+        found = self.slot_of.get_many(digests)
         if None in found:
             del found[found.index(None) :]
         return found  # type: ignore[return-value]
@@ -89,7 +89,7 @@ class HostTier:
         holds, lru = self._holds, self._lru
         for slot in slots:
             if holds[slot] == 0:
-                lru.pop(slot, None)
+                lru.discard(slot)
             holds[slot] += 1
 
     def let_go(self, slots: list[int], generation: int) -> None:
@@ -101,12 +101,12 @@ class HostTier:
         for slot in slots:
             holds[slot] -= 1
             if holds[slot] == 0:
-                lru[slot] = None
+                lru.push(slot)
 
     def touch(self, slot: int) -> None:
         """The block in ``slot`` was used: last in line for eviction."""
         if self._holds[slot] == 0:
-            self._lru.move_to_end(slot)
+            self._lru.touch(slot)
 
     def take(self, count: int) -> tuple[list[int], list[int]]:
         """Up to ``count`` slots for new blocks, unused ones first, then by evicting the least
@@ -116,10 +116,10 @@ class HostTier:
         taken = list(range(self._watermark, self._watermark + fresh))
         self._watermark += fresh
         lru = self._lru
-        pop = lru.popitem
-        evicted = [pop(last=False)[0] for _ in range(min(count - fresh, len(lru)))]
+        pop = lru.pop_oldest
+        evicted = [pop() for _ in range(min(count - fresh, len(lru)))]
         # Their digests leave the map in C calls: no bytecode per block.
-        deque(map(self.slot_of.__delitem__, map(self.digest.__getitem__, evicted)), maxlen=0)
+        self.slot_of.pop_many(list(map(self.digest.__getitem__, evicted)))
         return taken + evicted, evicted
 
     def fill(
@@ -132,8 +132,10 @@ class HostTier:
     ) -> None:
         """Record the blocks copied into ``slots`` (taken), most recently used last."""
         count = len(slots)
-        self.slot_of.update(zip(digests, slots, strict=True))
-        self._lru.update(dict.fromkeys(slots))
+        self.slot_of.assign(digests, slots)
+        push = self._lru.push
+        for slot in slots:
+            push(slot)
         digest_of, parent_of, keys_of = self.digest, self.parent_digest, self.keys
         stored_in, holds, epoch = self._stored_in, self._holds, self._epoch
         first = slots[0]
@@ -156,20 +158,20 @@ class HostTier:
         self.tokens[slots] = tokens
         for removals in self._removals:
             # Stored again after a clear: its removal must not follow the new store.
-            deque(map(removals.pop, digests, repeat(None)), maxlen=0)
+            removals.pop_many(digests)
 
     def clear(self) -> tuple[object, ...]:
         """Drop every block in O(1); their removals become due (``next_removals``). Returns
-        the old containers for the reaper."""
+        the old containers for the reaper (none: the old map is emptied by ``next_removals``,
+        and the queue and per-slot lists are reused)."""
         self.generation += 1
         if self.slot_of:  # a flood of resets leaves no list of empty ones behind
             self._removals.append(self.slot_of)
-        old = (self._lru,)
-        self.slot_of = {}
-        self._lru = OrderedDict()
+        self.slot_of = DigestDict()
+        self._lru.clear()
         self._watermark = 0
         self._announce_next = self._announce_end = 0
-        return old
+        return ()
 
     def announce_all(self) -> None:
         """The pool alone was reset: every block held now is to be announced again."""
@@ -186,10 +188,8 @@ class HostTier:
         taken: list[bytes] = []
         removals = self._removals
         while removals and len(taken) < limit:
-            due = removals[-1]
-            while due and len(taken) < limit:
-                taken.append(due.popitem()[0])
-            if not due:
+            taken += removals[-1].pop_some(limit - len(taken))
+            if not removals[-1]:
                 removals.pop()
         return taken
 

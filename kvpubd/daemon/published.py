@@ -12,9 +12,10 @@ now, or removed since, in which case the view saved the block's data when it was
 (``capture``), before its slot could be reused.
 
 Stale entries go a slice at a time while no view is open. A block removed with no view open is
-marked stale in place (None). Blocks mostly go oldest first (an engine's or the pool's
-eviction), so stale entries gather at the front of the log: they are trimmed there first, the
-few current ones among them moved to the end of the slice, nothing else renumbered (positions
+marked stale in place (with a key the record never holds: None, or -1 for block ids). Blocks
+mostly go oldest first (an engine's or the pool's eviction), so stale entries gather at the
+front of the log: they are trimmed there first, the few current ones among them moved to the
+end of the slice, nothing else renumbered (positions
 count from the log's first entry ever, ``_base`` being that of ``_log[0]``). Once the trimmed
 front is half the log, what follows it is copied to a new log, positions kept. Only when stale
 entries are left in the middle is the log compacted: its current entries copied to a new log
@@ -25,20 +26,38 @@ reaper: a million entries moved or freed at once would hold the loop for millise
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import eq, sub
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
+
+from kvpubd.daemon.block_tables import BlockPositions, ShardedDict
 
 T = TypeVar("T")
 # A block's id: the pool's slot number; the relay keys its blocks by the engine's hashes.
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
+KC = TypeVar("KC", contravariant=True)  # a table's key, as the record hands it in
 
 COMPACT_SLACK = 4096  # stale log entries tolerated beyond the live count before compacting
 # Log entries trimmed or compacted per call: about a millisecond where each is looked up in a
 # million-entry dict of scattered keys (the relay's hashes), far less where it is marked stale.
 COMPACT_STEP = 4096
+
+
+class PositionTable(Protocol[KC]):
+    """What a record keeps its blocks' log positions in (block_tables.py): a ShardedDict of
+    any keys, or BlockPositions of a pool's block ids."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, key: KC) -> bool: ...
+    def __delitem__(self, key: KC) -> None: ...
+    def get(self, key: KC) -> int | None: ...
+    def add(self, keys: Sequence[KC], values: Iterable[int]) -> None: ...
+    def assign(self, keys: Sequence[KC], values: Iterable[int]) -> None: ...
+    def get_many(self, keys: Sequence[KC]) -> Sequence[int | None]: ...
+    def pop_many(self, keys: Sequence[KC]) -> list[int | None]: ...
+    def reapable(self) -> tuple[Any, ...]: ...
 
 
 class FrozenView(Generic[K]):
@@ -68,7 +87,7 @@ class FrozenView(Generic[K]):
         stop = min(self.end, start + limit)
         self.cursor = stop
         for position in range(start, stop):
-            block_id: Any = log[position - base]  # None where trimmed: never current
+            block_id: Any = log[position - base]  # the stale mark where trimmed: never current
             if entry.get(block_id) == position:
                 yield block_id, None
             elif position in saved:
@@ -85,16 +104,22 @@ class FrozenView(Generic[K]):
 
 
 class PublishedRecord(Generic[K]):
-    def __init__(self) -> None:
-        self._entry: dict[K, int] = {}
-        # Trimmed entries are None until the log is copied past them.
-        self._log: list[K | None] = []
-        self._base = 0  # the position of _log[0]
+    def __init__(self, entries: PositionTable[K] | None = None, stale: Any = None) -> None:
+        # Not one dict: a dict under churn is rebuilt at once, milliseconds per 100k entries.
+        # ``entries``: an empty table (BlockPositions: a pool's block ids, no hashing).
+        self._entry: PositionTable[K] = ShardedDict() if entries is None else entries
+        # Marks a log entry stale: a key never held, that ``entries`` can look up.
+        self._stale = stale
+        # Trimmed entries are stale until the log is copied past them.
+        self._log: list[Any] = []
+        # The position of _log[0]. Positions only grow, also across compactions, and a
+        # successor's start above its predecessor's (BlockPositions relies on both).
+        self._base = entries.floor if isinstance(entries, BlockPositions) else 0
         self._head = 0  # _log[:_head] is trimmed
         self._views: list[FrozenView[K]] = []
         # Compaction in progress: the new log, the position of its first entry, and how far
         # the old one has been read; renumbering (holes left) or copying (a trimmed front).
-        self._new_log: list[K | None] | None = None
+        self._new_log: list[Any] | None = None
         self._new_base = 0
         self._read = 0
         self._renumber = True
@@ -108,14 +133,12 @@ class PublishedRecord(Generic[K]):
     def __iter__(self) -> Iterator[K]:
         """Live blocks in publication order (O(log); for tests and small tools)."""
         entry, base, log = self._entry, self._base, cast(list[K], self._log)
-        return (b for i, b in enumerate(log) if entry.get(b) == base + i)  # None: never current
+        return (b for i, b in enumerate(log) if entry.get(b) == base + i)  # stale: never current
 
     def add(self, block_ids: Sequence[K]) -> None:
         log = self._log
         position = self._base + len(log)
-        # In C: no bytecode per block on the store path.
-        positions = range(position, position + len(block_ids))
-        self._entry.update(zip(block_ids, positions, strict=True))
+        self._entry.add(block_ids, range(position, position + len(block_ids)))
         log.extend(block_ids)
 
     def discard(self, block_id: K) -> bool:
@@ -135,8 +158,8 @@ class PublishedRecord(Generic[K]):
             return [
                 name for block_id, name in zip(block_ids, names, strict=True) if discard(block_id)
             ]
-        # No view to tell: in C, one call per block (``names`` itself when all were published).
-        found: list[Any] = list(map(self._entry.pop, block_ids, repeat(None)))
+        # No view to tell: ``names`` itself when all were published.
+        found: list[Any] = self._entry.pop_many(block_ids)
         if None in found:
             names = [
                 name for position, name in zip(found, names, strict=True) if position is not None
@@ -146,7 +169,7 @@ class PublishedRecord(Generic[K]):
             # Marked stale where they stand: trimming and compaction then pass them without
             # looking each up (a miss in a large dict of scattered keys costs about 0.3 us).
             log, base = self._log, self._base
-            deque(map(log.__setitem__, map(sub, found, repeat(base)), repeat(None)), 0)
+            deque(map(log.__setitem__, map(sub, found, repeat(base)), repeat(self._stale)), 0)
         return names
 
     def freeze(self, capture: Callable[[K], Any]) -> FrozenView[K] | None:
@@ -185,7 +208,7 @@ class PublishedRecord(Generic[K]):
                 return not more and not self.needs_compaction
             else:
                 self._new_log, self._read, self._renumber = [], head, True
-                self._new_base = 0
+                self._new_base = self._base + head
         new_log, log, entry, base = self._new_log, self._log, self._entry, self._base
         start, stop = self._read, min(len(log), self._read + step)
         chunk: list[Any] = log[start:stop]
@@ -193,7 +216,8 @@ class PublishedRecord(Generic[K]):
             # The current entries of the slice, renumbered in order behind those kept before.
             current = self._current(chunk, base + start)
             kept = list(compress(chunk, current))
-            entry.update(zip(kept, range(len(new_log), len(new_log) + len(kept)), strict=True))
+            first = self._new_base + len(new_log)
+            entry.assign(kept, range(first, first + len(kept)))
             new_log += kept
             self._moved(start, stop, current)
         else:
@@ -218,7 +242,7 @@ class PublishedRecord(Generic[K]):
         if not chunk:
             return False
         first = self._base + head
-        if chunk.count(None) == len(chunk):  # all marked stale (the common case): no lookups
+        if chunk.count(self._stale) == len(chunk):  # all stale (the common case): no lookups
             current: list[bool] = []
             kept: list[Any] = []
         else:
@@ -228,16 +252,16 @@ class PublishedRecord(Generic[K]):
                 return False  # the front is mostly current: compaction's work, if any
         end = head + len(chunk)
         start = end - len(kept)  # the new head
-        log[head:end] = [*repeat(None, start - head), *kept]
-        entry.update(zip(kept, range(self._base + start, self._base + end), strict=True))
+        log[head:end] = [*repeat(self._stale, start - head), *kept]
+        entry.assign(kept, range(self._base + start, self._base + end))
         self._trimmed(head, end, current)
         self._head = start
         return True
 
     def _current(self, chunk: list[Any], first: int) -> list[bool]:
-        """Which of the log entries ``chunk``, from position ``first`` on, are current; in C,
-        no bytecode per entry (paid again for every block a busy rank stores)."""
-        return list(map(eq, map(self._entry.get, chunk), range(first, first + len(chunk))))
+        """Which of the log entries ``chunk``, from position ``first`` on, are current (paid
+        again for every block a busy rank stores)."""
+        return list(map(eq, self._entry.get_many(chunk), range(first, first + len(chunk))))
 
     def _trimmed(self, head: int, end: int, current: list[bool]) -> None:
         """The log's entries from ``head`` to ``end`` were trimmed, the ``current`` ones moved
@@ -251,6 +275,15 @@ class PublishedRecord(Generic[K]):
         """Compaction finished: the new log is the log. Returns what the old log had beside
         it (for the reaper)."""
         return ()
+
+    def successor(self) -> PublishedRecord[K]:
+        """An empty record to follow this one after a clear, in O(1) (its table, when shared,
+        renewed: this record is not read any more)."""
+        entries = self._entry
+        if isinstance(entries, BlockPositions):
+            end = self._base + len(self._log)  # above every position given (see _base)
+            return PublishedRecord(cast(PositionTable[K], entries.renewed(end)), self._stale)
+        return PublishedRecord(stale=self._stale)
 
     def close_views(self) -> None:
         for view in list(self._views):
@@ -268,27 +301,23 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
     Blocks are published through ``add_valued`` only."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self._keyed: ShardedDict[K, int] = ShardedDict()
+        super().__init__(self._keyed)
         self._values: list[V | None] = []  # aligned with the log
         self._new_values: list[V | None] = []  # the new log's, while a compaction is under way
 
     def add_valued(self, block_ids: Sequence[K], value: V) -> bool:
         """Publish blocks, all with ``value``, if none is published already nor repeats
         (True); else change nothing (False). In C: no bytecode per block."""
-        entry, count = self._entry, len(block_ids)
-        if not entry.keys().isdisjoint(block_ids):
+        count = len(block_ids)
+        if len(set(block_ids)) != count or not self._keyed.isdisjoint(block_ids):
             return False
-        before = len(entry)
         self.add(block_ids)
-        if len(entry) - before != count:  # one repeats: undo (all were new)
-            deque(map(entry.pop, block_ids, repeat(None)), 0)
-            del self._log[len(self._log) - count :]
-            return False
         self._values.extend(repeat(value, count))
         return True
 
     def value(self, block_id: K) -> V:
-        position = self._entry[block_id]
+        position = self._keyed[block_id]
         # While a compaction is under way, an entry it moved lies in the new log (whose first
         # position is _new_base); one it has not, past where it has read, in the old.
         moved = position - self._new_base
@@ -298,7 +327,7 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
 
     def forget(self, block_ids: Sequence[K]) -> None:
         """Drop blocks without telling views (a record no snapshot reads any more)."""
-        deque(map(self._entry.pop, block_ids, repeat(None)), 0)
+        self._entry.pop_many(block_ids)
 
     def _moved(self, start: int, stop: int, current: list[bool] | None) -> None:
         values = self._values[start:stop]

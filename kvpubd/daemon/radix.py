@@ -4,7 +4,8 @@ A block's chain digest encodes its whole prefix, so the tree is walked with one 
 block. Nodes are pool block ids: per-block fields live in lists indexed by block id, sized to
 the pool once. That keeps inserts cheap (no object per block), keeps the cyclic garbage
 collector out of it (a dict of bytes -> int is not tracked), and makes clearing O(1): only the
-digest map and the eviction queue are replaced; stale list slots are overwritten on reuse.
+digest map is replaced and the eviction queue emptied; stale list slots are overwritten on reuse.
+Neither of those is one hash table (see block_tables.py): none is rebuilt at once.
 
 Only unpinned leaves are evictable, so every cached block's parent stays cached, and eviction
 runs tail-first in least-recently-used order.
@@ -12,15 +13,16 @@ runs tail-first in least-recently-used order.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
+
+from kvpubd.daemon.block_tables import DigestDict, LruQueue
 
 ROOT = -1  # parent of a first block
 
 
 class RadixIndex:
     def __init__(self, capacity: int) -> None:
-        self._block_of: dict[bytes, int] = {}
+        self._block_of: DigestDict[int] = DigestDict()
         self.digest: list[bytes] = [b""] * capacity
         self.parent: list[int] = [ROOT] * capacity
         # What each block's store mixed into its identity (LoRA, salt), exactly as published:
@@ -29,7 +31,7 @@ class RadixIndex:
         self._children: list[int] = [0] * capacity
         self._refs: list[int] = [0] * capacity
         # Unpinned leaves, oldest first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._evictable = LruQueue(capacity)
         self._unpinned = 0
 
     def __len__(self) -> int:
@@ -45,14 +47,7 @@ class RadixIndex:
 
     def match(self, digests: list[bytes]) -> list[int]:
         """The cached blocks of the longest cached prefix of ``digests``."""
-        block_of = self._block_of
-        matched = []
-        for digest in digests:
-            block_id = block_of.get(digest)
-            if block_id is None:
-                break
-            matched.append(block_id)
-        return matched
+        return self._block_of.found_prefix(digests)
 
     def count_unpinned(self, block_ids: list[int]) -> int:
         """How many of ``block_ids`` no request pins (in C: no bytecode per block)."""
@@ -64,7 +59,7 @@ class RadixIndex:
         for block_id in block_ids:
             if refs[block_id] == 0:
                 self._unpinned -= 1
-                evictable.pop(block_id, None)
+                evictable.discard(block_id)
             refs[block_id] += 1
 
     def unpin(self, block_ids: list[int]) -> None:
@@ -77,7 +72,7 @@ class RadixIndex:
             if refs[block_id] == 0:
                 self._unpinned += 1
                 if children[block_id] == 0:
-                    evictable[block_id] = None
+                    evictable.push(block_id)
 
     def insert_run(
         self,
@@ -93,14 +88,15 @@ class RadixIndex:
             raise ValueError("one digest per block id")
         if not count:
             return
-        self._block_of.update(zip(digests, block_ids, strict=True))
-        # One loop writing every field: about 0.8k instructions a block, where a map over
-        # each list's __setitem__ (a slot wrapper: a call with an argument tuple per item)
-        # cost 3k. The chain's parents are the parent, then each block in turn.
-        digest_of, parent_of, keys_of = self.digest, self.parent, self.keys
-        children, refs = self._children, self._refs
+        # One loop writing every field and the digest map (DigestDict's part inline): about
+        # 0.8k instructions a block, where a map over each list's __setitem__ (a slot
+        # wrapper: a call with an argument tuple per item) cost 3k. The chain's parents are
+        # the parent, then each block in turn.
+        shards, digest_of, parent_of = self._block_of.shards, self.digest, self.parent
+        keys_of, children, refs = self.keys, self._children, self._refs
         above = parent
         for block_id, digest in zip(block_ids, digests, strict=True):
+            shards[digest[-1]][digest] = block_id
             digest_of[block_id] = digest
             parent_of[block_id] = above
             keys_of[block_id] = keys
@@ -115,14 +111,15 @@ class RadixIndex:
         """Remove ``count`` least-recently-used unpinned leaves (a parent left childless becomes
         the next); their ``digest`` slots stay readable until the block id is reused."""
         evictable = self._evictable
-        block_of, digest_of, parent_of = self._block_of, self.digest, self.parent
+        shards, digest_of, parent_of = self._block_of.shards, self.digest, self.parent
         children, refs = self._children, self._refs
         evicted: list[int] = []
         append = evicted.append
         while len(evicted) < count:
-            block_id, _ = evictable.popitem(last=False)
+            block_id = evictable.pop_oldest()
             while True:
-                del block_of[digest_of[block_id]]
+                digest = digest_of[block_id]
+                del shards[digest[-1]][digest]  # DigestDict's part, inline: per block
                 append(block_id)
                 parent = parent_of[block_id]
                 if parent == ROOT:
@@ -132,19 +129,18 @@ class RadixIndex:
                     break
                 if len(evicted) == count:
                     # The parent is now the least recently used leaf: first in line.
-                    evictable[parent] = None
-                    evictable.move_to_end(parent, last=False)
+                    evictable.push_oldest(parent)
                     break
                 # It would be popped next anyway: evict it without queueing it.
                 block_id = parent
         self._unpinned -= count
         return evicted
 
-    def clear(self) -> tuple[dict[bytes, int], OrderedDict[int, None]]:
-        """Empty the index in O(1); returns the old containers so that the caller can free
-        them later (one deallocation per block)."""
-        old = (self._block_of, self._evictable)
-        self._block_of = {}
-        self._evictable = OrderedDict()
+    def clear(self) -> tuple[DigestDict[int]]:
+        """Empty the index in O(1); returns the old digest map so that the caller can free it
+        later (one deallocation per block)."""
+        old = self._block_of
+        self._block_of = DigestDict()
+        self._evictable.clear()
         self._unpinned = 0
-        return old
+        return (old,)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvpubd.daemon.block_tables import BlockPositions
 from kvpubd.daemon.published import PublishedRecord
 from kvpubd.protocol.wire import (
     AllBlocksCleared,
@@ -63,14 +64,21 @@ class GroupTag(NamedTuple):
     sliding_window: int | None
 
 
+def block_record(capacity: int) -> PublishedRecord[int]:
+    """An empty record of blocks by their ids in a pool of ``capacity`` blocks (or slots in
+    the host tier); after a clear, ``successor`` gives the next."""
+    table = BlockPositions(capacity)
+    return PublishedRecord(table, stale=table.stale)
+
+
 class GroupLane:
     """A KV cache group as its events see it: its tag (None for the one implicit group) and
     the record of its published blocks (by the group's own block ids), in publication order
     (parents before children)."""
 
-    def __init__(self, tag: GroupTag | None) -> None:
+    def __init__(self, tag: GroupTag | None, capacity: int) -> None:
         self.tag = tag
-        self.published: PublishedRecord[int] = PublishedRecord()
+        self.published: PublishedRecord[int] = block_record(capacity)
 
 
 def store_keys(lora_id: int | None, lora_name: str | None, cache_salt: str | None) -> StoreKeys:
@@ -152,7 +160,8 @@ class EventSink:
     ) -> None:
         self.block_size = block_size
         # The pool's group; a hybrid cache's other groups have lanes of their own (add_lane).
-        self.pool_lane = GroupLane(group)
+        # Records sized by the cache (size_records), before anything is published.
+        self.pool_lane = GroupLane(group, 0)
         self.lanes: list[GroupLane] = []
         self.medium = medium
         self.host_medium = host_medium or ""
@@ -163,8 +172,14 @@ class EventSink:
         self._budget = max_events_per_tick
         # The host tier's published blocks, by slot. Its events are never dropped by the
         # per-tick cap (each follows a pool eviction or a reset, which the cap bounds).
-        self.host_published: PublishedRecord[int] = PublishedRecord()
+        self.host_published: PublishedRecord[int] = block_record(0)
         self.dropped_stored_blocks = 0
+
+    def size_records(self, pool_blocks: int, host_blocks: int) -> None:
+        """Records for a pool of ``pool_blocks`` blocks and a host tier of ``host_blocks``
+        (the cache's, once, before anything is published)."""
+        self.pool_lane.published = block_record(pool_blocks)
+        self.host_published = block_record(host_blocks)
 
     @property
     def published(self) -> PublishedRecord[int]:
@@ -201,8 +216,9 @@ class EventSink:
         """Capture the pool's removals; only blocks whose store was published are named."""
         self.group_removed(self.pool_lane, block_ids, hashes)
 
-    def add_lane(self, tag: GroupTag) -> GroupLane:
-        lane = GroupLane(tag)
+    def add_lane(self, tag: GroupTag, capacity: int) -> GroupLane:
+        """A lane for a hybrid cache's group whose pool holds ``capacity`` blocks."""
+        lane = GroupLane(tag, capacity)
         self.lanes.append(lane)
         return lane
 
@@ -306,10 +322,10 @@ class EventSink:
         old = []
         for lane in (self.pool_lane, *self.lanes):
             old.append(lane.published)
-            lane.published = PublishedRecord()
+            lane.published = lane.published.successor()
         if every_tier:
             old.append(self.host_published)
-            self.host_published = PublishedRecord()
+            self.host_published = self.host_published.successor()
         self._budget = self.max_events_per_tick
         return tuple(old)
 

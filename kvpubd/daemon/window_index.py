@@ -6,24 +6,26 @@ block's chain parent may be gone (as in vLLM's block pool, whose free queue hold
 no request references). A block keeps its chain parent's digest, so that a snapshot repeats
 the ``parent_block_hash`` its store was published with.
 
-Per-block fields live in lists indexed by block id, sized to the pool once (see radix.py).
+Per-block fields live in lists indexed by block id, sized to the pool once (see radix.py); the
+digest map and the eviction queue are tables no operation rebuilds at once (block_tables.py).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
+
+from kvpubd.daemon.block_tables import DigestDict, LruQueue
 
 
 class WindowIndex:
     def __init__(self, capacity: int) -> None:
-        self._block_of: dict[bytes, int] = {}
+        self._block_of: DigestDict[int] = DigestDict()
         self.digest: list[bytes] = [b""] * capacity
         self.parent_digest: list[bytes | None] = [None] * capacity
         self.keys: list[Any] = [None] * capacity
         self._refs: list[int] = [0] * capacity
         # Unpinned blocks, least recently used first.
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._evictable = LruQueue(capacity)
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -34,7 +36,7 @@ class WindowIndex:
 
     def locate(self, digests: list[bytes]) -> list[int | None]:
         """The cached block of each digest, None where there is none."""
-        return list(map(self._block_of.get, digests))
+        return self._block_of.get_many(digests)
 
     def count_unpinned(self, block_ids: list[int]) -> int:
         return list(map(self._refs.__getitem__, block_ids)).count(0)
@@ -43,7 +45,7 @@ class WindowIndex:
         refs, evictable = self._refs, self._evictable
         for block_id in block_ids:
             if refs[block_id] == 0:
-                del evictable[block_id]
+                evictable.discard(block_id)
             refs[block_id] += 1
 
     def unpin(self, block_ids: list[int]) -> None:
@@ -52,7 +54,7 @@ class WindowIndex:
         for block_id in reversed(block_ids):
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                evictable[block_id] = None
+                evictable.push(block_id)
 
     def insert_run(
         self, digests: list[bytes], block_ids: list[int], parent: bytes | None, keys: Any
@@ -61,7 +63,7 @@ class WindowIndex:
         (cached or not; None for a prompt's first block); each starts pinned once."""
         if len(digests) != len(block_ids):
             raise ValueError("one digest per block id")
-        self._block_of.update(zip(digests, block_ids, strict=True))
+        self._block_of.assign(digests, block_ids)
         digest_of, parent_of, keys_of, refs = self.digest, self.parent_digest, self.keys, self._refs
         above = parent
         for block_id, digest in zip(block_ids, digests, strict=True):
@@ -74,15 +76,14 @@ class WindowIndex:
     def evict(self, count: int) -> list[int]:
         """Remove the ``count`` least recently used unpinned blocks; their ``digest`` slots stay
         readable until the block id is reused."""
-        evictable, block_of, digest_of = self._evictable, self._block_of, self.digest
-        evicted = [evictable.popitem(last=False)[0] for _ in range(count)]
-        for block_id in evicted:
-            del block_of[digest_of[block_id]]
+        pop_oldest, digest_of = self._evictable.pop_oldest, self.digest
+        evicted = [pop_oldest() for _ in range(count)]
+        self._block_of.pop_many(list(map(digest_of.__getitem__, evicted)))
         return evicted
 
-    def clear(self) -> tuple[dict[bytes, int], OrderedDict[int, None]]:
-        """Empty the index in O(1); returns the old containers for the caller to free later."""
-        old = (self._block_of, self._evictable)
-        self._block_of = {}
-        self._evictable = OrderedDict()
-        return old
+    def clear(self) -> tuple[DigestDict[int]]:
+        """Empty the index in O(1); returns the old digest map for the caller to free later."""
+        old = self._block_of
+        self._block_of = DigestDict()
+        self._evictable.clear()
+        return (old,)
