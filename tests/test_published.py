@@ -215,10 +215,15 @@ def test_a_valued_record_finds_each_blocks_value_through_compaction_and_views(
                 assert record.add_valued(run, value) is fresh
                 if fresh:
                     live.update(dict.fromkeys(run, value))
-            elif action < 0.75 and live:
+            elif action < 0.7 and live:
                 block_id = rng.choice(list(live))
-                assert record.discard_named([block_id], [block_id]) == [block_id]
+                assert record.discard_named([block_id, -1], [block_id, -1]) == [block_id]
                 del live[block_id]
+            elif action < 0.75 and live and not views:  # forget: no snapshot reads it
+                gone = rng.sample(list(live), min(len(live), 2))
+                record.forget([*gone, -1])
+                for block_id in gone:
+                    del live[block_id]
             elif action < 0.82:
                 view = record.freeze(record.value)
                 if view is not None:
@@ -233,6 +238,7 @@ def test_a_valued_record_finds_each_blocks_value_through_compaction_and_views(
             else:
                 record.compact_some(step=rng.randint(1, 20))
             assert {b: record.value(b) for b in live} == live
+            assert len(record) == len(live)
         for view, _ in views:
             view.close()
         while not record.compact_some(step=7):

@@ -81,6 +81,21 @@ class ShardedDict(Generic[K, V]):
         for key, index, value in zip(keys, self.indices(keys), values, strict=True):
             shards[index][key] = value
 
+    def add_absent(self, keys: Sequence[K], values: Sequence[V]) -> bool:
+        """Add the keys if none is here nor repeats (True), else change nothing (False).
+        ``values`` must differ from every value here and from each other (log positions).
+        One pass of ``setdefault`` in C: it inserts, or gives the value found."""
+        values = list(values)
+        parts = map(self.shards.__getitem__, self.indices(keys))
+        found = list(map(dict.setdefault, parts, keys, values))
+        if found == values:
+            return True
+        # Undo what this call inserted (a key found here, or repeated, kept another value).
+        for key, got, value in zip(keys, found, values, strict=True):
+            if got is value:
+                del self.shards[self.index(key)][key]
+        return False
+
     def get_many(self, keys: Sequence[K]) -> list[V | None]:
         shards, parts = self.shards, self.indices(keys)
         return [shards[index].get(key) for key, index in zip(keys, parts, strict=True)]

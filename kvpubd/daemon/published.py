@@ -68,7 +68,7 @@ class FrozenView(Generic[K]):
         # Nothing is trimmed nor compacted while a view is open: the log's base is fixed.
         self.record = record
         self.end = record._base + len(record._log)
-        self.count = len(record._entry)
+        self.count = len(record)
         self.cursor = record._base + record._head
         self.saved: dict[int, Any] = {}  # log position -> data captured at removal
         self._capture = capture
@@ -184,7 +184,7 @@ class PublishedRecord(Generic[K]):
     @property
     def needs_compaction(self) -> bool:
         return self._new_log is not None or (
-            not self._views and len(self._log) - self._head > 2 * len(self._entry) + COMPACT_SLACK
+            not self._views and len(self._log) - self._head > 2 * len(self) + COMPACT_SLACK
         )
 
     def compact_some(
@@ -303,16 +303,19 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
     def __init__(self) -> None:
         self._keyed: ShardedDict[K, int] = ShardedDict()
         super().__init__(self._keyed)
+        # Live blocks, counted here: a ShardedDict's len asks each of its parts.
+        self._count = 0
         self._values: list[V | None] = []  # aligned with the log
         self._new_values: list[V | None] = []  # the new log's, while a compaction is under way
 
     def add_valued(self, block_ids: Sequence[K], value: V) -> bool:
         """Publish blocks, all with ``value``, if none is published already nor repeats
-        (True); else change nothing (False). In C: no bytecode per block."""
-        count = len(block_ids)
-        if len(set(block_ids)) != count or not self._keyed.isdisjoint(block_ids):
+        (True); else change nothing (False)."""
+        count, position = len(block_ids), self._base + len(self._log)
+        if not self._keyed.add_absent(block_ids, range(position, position + count)):
             return False
-        self.add(block_ids)
+        self._count += count
+        self._log.extend(block_ids)
         self._values.extend(repeat(value, count))
         return True
 
@@ -325,9 +328,25 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
             return cast(V, self._new_values[moved])  # a live block's: never trimmed
         return cast(V, self._values[position - self._base])
 
+    def __len__(self) -> int:
+        return self._count
+
+    def discard(self, block_id: K) -> bool:
+        found = super().discard(block_id)
+        self._count -= found
+        return found
+
+    def discard_named(self, block_ids: Sequence[K], names: list[T]) -> list[T]:
+        if self._views:  # one ``discard`` at a time, counted there
+            return super().discard_named(block_ids, names)
+        named = super().discard_named(block_ids, names)
+        self._count -= len(named)
+        return named
+
     def forget(self, block_ids: Sequence[K]) -> None:
         """Drop blocks without telling views (a record no snapshot reads any more)."""
-        self._entry.pop_many(block_ids)
+        found = self._entry.pop_many(block_ids)
+        self._count -= len(found) - found.count(None)
 
     def _moved(self, start: int, stop: int, current: list[bool] | None) -> None:
         values = self._values[start:stop]
