@@ -80,6 +80,14 @@ def test_bench_publisher_and_index() -> None:
     assert index["blocks"] == 4096 and index["ops_per_s"] > 0 and index["bytes_per_block"] > 0
 
 
+def test_bench_store_rtt_times_every_pair_into_a_churning_pool() -> None:
+    result = bench("store-rtt", "--num-blocks", "1024", "--prompt-blocks", "16", "--rounds", "200")
+    assert result["full_from_round"] == 64 and result["rounds"] == 200
+    rtt = result["round_trip_ms"]
+    assert 0 < rtt["p50"] <= rtt["p99"] <= rtt["p99.9"] <= rtt["max"]
+    assert all(0 <= number < 200 for number in result["slow_rounds"])
+
+
 def test_bench_throughput_over_ranks_and_under_paced_load() -> None:
     """Two ranks: every rank's subscriber counts its blocks; then resets are timed under a
     paced load at two fractions of the measured rate."""

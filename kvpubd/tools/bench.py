@@ -14,6 +14,7 @@ from kvpubd.tools.bench_publisher import bench_publisher, bench_vllm_extract
 from kvpubd.tools.bench_relay import bench_relay
 from kvpubd.tools.bench_reset import bench_reset
 from kvpubd.tools.bench_snapshot import bench_snapshot
+from kvpubd.tools.bench_store_rtt import bench_store_rtt
 from kvpubd.tools.bench_throughput import bench_throughput
 from kvpubd.tools.bench_tiers import bench_tiers
 from kvpubd.tools.soak import bench_soak
@@ -28,6 +29,7 @@ bench_app.command("reset")(bench_reset)
 bench_app.command("kernels")(bench_kernels)
 bench_app.command("tiers")(bench_tiers)
 bench_app.command("index")(bench_index)
+bench_app.command("store-rtt")(bench_store_rtt)
 bench_app.command("publisher")(bench_publisher)
 bench_app.command("vllm-extract")(bench_vllm_extract)
 bench_app.command("throughput")(bench_throughput)
