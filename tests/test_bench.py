@@ -200,7 +200,8 @@ def test_bench_throughput_against_vllm_still_measures_the_daemon_without_its_fil
 ) -> None:
     empty = tmp_path / "nothing-here"
     env = {DIR_ENV_VAR: str(empty), ENV_VAR: str(empty / "kv_events.py")}
-    result = bench("throughput", "--requests", "10", "--window", "4", "--num-blocks", "4096",
+    # 40 requests: with 10, the daemon's CPU time could read 0 (kernel ticks of 10 ms).
+    result = bench("throughput", "--requests", "40", "--window", "4", "--num-blocks", "4096",
                    "--against-vllm", env=env)  # fmt: skip
     assert result["blocks"] > 0 and result["daemon_cpu_us_per_block"] > 0
     assert str(empty / "block_pool.py") in result["vllm_blockpool"]["skipped"]

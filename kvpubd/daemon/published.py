@@ -57,7 +57,6 @@ class PositionTable(Protocol[KC]):
     def assign(self, keys: Sequence[KC], values: Iterable[int]) -> None: ...
     def get_many(self, keys: Sequence[KC]) -> Sequence[int | None]: ...
     def pop_many(self, keys: Sequence[KC]) -> list[int | None]: ...
-    def reapable(self) -> tuple[Any, ...]: ...
 
 
 class FrozenView(Generic[K]):
@@ -318,6 +317,9 @@ class ValuedRecord(PublishedRecord[K], Generic[K, V]):
         self._log.extend(block_ids)
         self._values.extend(repeat(value, count))
         return True
+
+    def successor(self) -> ValuedRecord[K, V]:
+        return ValuedRecord()
 
     def value(self, block_id: K) -> V:
         position = self._keyed[block_id]
