@@ -122,7 +122,9 @@ def test_bench_throughput_through_one_service_of_rank_processes() -> None:
     assert (result["rank_processes"], result["rank_worker_processes"]) == (True, 2)
     assert result["senders"] == 2 and result["window_per_rank"] == 4
     assert result["gaps"] == 0 and result["undecodable_batches"] == 0 and result["blocks"] > 0
-    assert result["daemon_cpu_us_per_block"] > result["parent_cpu_us_per_block"] > 0
+    # The workers' CPU is added to the service's, which may read 0 at kernel-tick granularity
+    # (10 ms) on a run this short: the service only routes.
+    assert result["daemon_cpu_us_per_block"] > result["parent_cpu_us_per_block"] >= 0
     one_process = bench("throughput", *SMALL_RUN, "--ranks", "2", "--rank-processes", "off",
                         "--senders", "one")  # fmt: skip
     assert (one_process["rank_processes"], one_process["senders"]) == (False, 1)
