@@ -12,15 +12,16 @@ now, or removed since, in which case the view saved the block's data when it was
 (``capture``), before its slot could be reused.
 
 Stale entries go a slice at a time while no view is open. A block removed with no view open is
-marked stale in place (with a key the record never holds: None, or -1 for block ids). Blocks
-mostly go oldest first (an engine's or the pool's eviction), so stale entries gather at the
-front of the log: they are trimmed there first, the few current ones among them moved to the
-end of the slice, nothing else renumbered (positions
-count from the log's first entry ever, ``_base`` being that of ``_log[0]``). Once the trimmed
+marked stale in place (with a key the record never holds: None, or the pool's capacity for
+block ids). Blocks mostly go oldest first (an engine's or the pool's eviction), so stale
+entries gather at the front of the log: they are trimmed there first, the few current ones
+among them moved to the end of the slice, nothing else renumbered (positions count from the
+log's first entry ever, ``_base`` being that of ``_log[0]``). Once the trimmed
 front is half the log, what follows it is copied to a new log, positions kept. Only when stale
 entries are left in the middle is the log compacted: its current entries copied to a new log
-and renumbered from 0. Every step is a slice (COMPACT_STEP entries) and an old log goes to the
-reaper: a million entries moved or freed at once would hold the loop for milliseconds.
+and renumbered from the first position they can take (positions only ever grow). Every step
+is a slice (COMPACT_STEP entries) and an old log goes to the reaper: a million entries moved
+or freed at once would hold the loop for milliseconds.
 """
 
 from __future__ import annotations
