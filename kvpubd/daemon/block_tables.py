@@ -8,10 +8,11 @@ insertions, in O(entries). Measured on the dev VM at a million entries: 50-150 m
 - ``ShardedDict`` splits a dict in 256 by a byte of the key, so a rebuild is 1/256 of that
   (0.3 ms at a million entries). Each operation picks its part with one more index: 30-60 ns
   more than on one dict, where the C loops of ``dict.update`` and ``map`` no longer apply.
+- ``BlockPositions`` keeps a pool record's log positions in a list indexed by block id:
+  nothing is hashed nor rebuilt, and the records that follow one another share it.
 - ``LruQueue`` keeps ids in least-recently-used order as a doubly linked list in two lists
   indexed by id (as vLLM's free block queue does): nothing is hashed nor ever rebuilt, and
   clearing is O(1).
-
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ _LAST_BYTE = itemgetter(-1)
 
 
 class ShardedDict(Generic[K, V]):
-    """A dict in parts by the low byte of each key's hash; ``DigestDict`` and ``IntDict`` take
-    a byte of the key itself, which costs less (hashing a key makes an int object). ``None``
-    is not a value: the lookups of many keys give it for a key that is not here."""
+    """A dict in parts by the low byte of each key's hash; ``DigestDict`` takes a byte of the
+    key itself, which costs less (hashing a key makes an int object). ``None`` is not a
+    value: the lookups of many keys give it for a key that is not here."""
 
     __slots__ = ("shards",)
 
@@ -59,9 +60,6 @@ class ShardedDict(Generic[K, V]):
 
     def __getitem__(self, key: K) -> V:
         return self.shards[self.index(key)][key]
-
-    def __setitem__(self, key: K, value: V) -> None:
-        self.shards[self.index(key)][key] = value
 
     def __delitem__(self, key: K) -> None:
         del self.shards[self.index(key)][key]
@@ -126,10 +124,6 @@ class ShardedDict(Generic[K, V]):
                 break
         return taken
 
-    def isdisjoint(self, keys: Sequence[K]) -> bool:
-        shards, parts = self.shards, self.indices(keys)
-        return not any([key in shards[index] for key, index in zip(keys, parts, strict=True)])
-
     # -- the whole table ---------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[K]:
@@ -137,9 +131,6 @@ class ShardedDict(Generic[K, V]):
 
     def values(self) -> Iterator[V]:
         return chain.from_iterable(map(dict.values, self.shards))
-
-    def items(self) -> Iterator[tuple[K, V]]:
-        return chain.from_iterable(map(dict.items, self.shards))
 
     def free_some(self) -> bool:
         """Let go of up to FREE_STEP entries, whichever parts hold them; True once empty.
@@ -166,18 +157,6 @@ class DigestDict(ShardedDict[bytes, V]):
 
     def indices(self, keys: Iterable[bytes]) -> Iterator[int]:
         return map(_LAST_BYTE, keys)
-
-
-class IntDict(ShardedDict[int, V]):
-    """Keyed by block ids (or other ints spread over their low byte), in parts by that byte."""
-
-    __slots__ = ()
-
-    def index(self, key: int) -> int:
-        return key & SHARD_MASK
-
-    def indices(self, keys: Iterable[int]) -> Iterator[int]:
-        return map(and_, keys, repeat(SHARD_MASK))
 
 
 class BlockPositions:

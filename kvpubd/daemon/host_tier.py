@@ -118,7 +118,6 @@ class HostTier:
         lru = self._lru
         pop = lru.pop_oldest
         evicted = [pop() for _ in range(min(count - fresh, len(lru)))]
-        # Their digests leave the map in C calls: no bytecode per block.
         self.slot_of.pop_many(list(map(self.digest.__getitem__, evicted)))
         return taken + evicted, evicted
 
