@@ -41,6 +41,13 @@ class ShardedDict(Generic[K, V]):
     def __init__(self) -> None:
         self.shards: list[dict[K, V]] = [{} for _ in range(SHARDS)]
 
+    floor = 0  # a record's positions in a table of its own start at 0
+
+    def renewed(self, end: int) -> ShardedDict[K, V]:
+        """The table of a record that follows one whose positions end at ``end``: a new one
+        (this one goes to the reaper with its record)."""
+        return type(self)()
+
     def index(self, key: K) -> int:
         return hash(key) & SHARD_MASK
 

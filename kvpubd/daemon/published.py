@@ -32,7 +32,7 @@ from itertools import compress, repeat
 from operator import eq, sub
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-from kvpubd.daemon.block_tables import BlockPositions, ShardedDict
+from kvpubd.daemon.block_tables import ShardedDict
 
 T = TypeVar("T")
 # A block's id: the pool's slot number; the relay keys its blocks by the engine's hashes.
@@ -48,8 +48,13 @@ COMPACT_STEP = 4096
 
 class PositionTable(Protocol[KC]):
     """What a record keeps its blocks' log positions in (block_tables.py): a ShardedDict of
-    any keys, or BlockPositions of a pool's block ids."""
+    any keys, or BlockPositions of a pool's block ids. ``floor``: where the record's
+    positions start; ``renewed(end)``: the empty table of the record that follows one whose
+    positions end at ``end`` (BlockPositions: itself, shared)."""
 
+    @property
+    def floor(self) -> int: ...
+    def renewed(self, end: int) -> PositionTable[KC]: ...
     def __len__(self) -> int: ...
     def __contains__(self, key: KC) -> bool: ...
     def __delitem__(self, key: KC) -> None: ...
@@ -114,7 +119,7 @@ class PublishedRecord(Generic[K]):
         self._log: list[Any] = []
         # The position of _log[0]. Positions only grow, also across compactions, and a
         # successor's start above its predecessor's (BlockPositions relies on both).
-        self._base = entries.floor if isinstance(entries, BlockPositions) else 0
+        self._base = self._entry.floor
         self._head = 0  # _log[:_head] is trimmed
         self._views: list[FrozenView[K]] = []
         # Compaction in progress: the new log, the position of its first entry, and how far
@@ -279,11 +284,8 @@ class PublishedRecord(Generic[K]):
     def successor(self) -> PublishedRecord[K]:
         """An empty record to follow this one after a clear, in O(1) (its table, when shared,
         renewed: this record is not read any more)."""
-        entries = self._entry
-        if isinstance(entries, BlockPositions):
-            end = self._base + len(self._log)  # above every position given (see _base)
-            return PublishedRecord(cast(PositionTable[K], entries.renewed(end)), self._stale)
-        return PublishedRecord(stale=self._stale)
+        end = self._base + len(self._log)  # above every position given (see _base)
+        return PublishedRecord(self._entry.renewed(end), self._stale)
 
     def close_views(self) -> None:
         for view in list(self._views):
