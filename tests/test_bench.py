@@ -83,8 +83,8 @@ def test_bench_publisher_and_index() -> None:
 def test_bench_store_rtt_times_every_pair_into_a_churning_pool() -> None:
     result = bench("store-rtt", "--num-blocks", "1024", "--prompt-blocks", "16", "--rounds", "200")
     assert result["full_from_round"] == 64 and result["rounds"] == 200
-    rtt = result["round_trip_ms"]
-    assert 0 < rtt["p50"] <= rtt["p99"] <= rtt["p99.9"] <= rtt["max"]
+    rtt = result["round_trip"]
+    assert rtt["n"] == 200 and 0 < rtt["p50_us"] <= rtt["p99_us"] <= rtt["p999_us"] <= rtt["max_us"]
     assert all(0 <= number < 200 for number in result["slow_rounds"])
 
 

@@ -3,6 +3,7 @@ stderr for progress and messages (stdout carries the result alone)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ from rich.console import Console
 err = Console(stderr=True)
 
 
-def percentile(samples: list[float], q: float) -> float:
+def percentile(samples: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples), q)) if samples else float("nan")
 
 
