@@ -63,6 +63,15 @@ def main(out: Path) -> None:
             f"{phase['slowest_rank']['max_us'] / 1000:.2f} ms), missing markers "
             f"{phase['missing_markers']}; target p99 <= 5 ms on every rank: {verdict}"
         )
+        floor = phase.get("floor")
+        if floor:
+            floors = [row["p99_us"] for row in floor["per_rank"]]
+            print(
+                f"  the same fan-out in bare pyzmq, alternated: per-rank p99 "
+                f"{min(floors) / 1000:.2f}-{max(floors) / 1000:.2f} ms (slowest rank p99 "
+                f"{floor['slowest_rank']['p99_us'] / 1000:.2f} ms, max "
+                f"{floor['slowest_rank']['max_us'] / 1000:.2f} ms)"
+            )
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ def test_bench_per_rank_resets_fill_every_rank_and_time_each_ranks_marker() -> N
             assert row["n"] == 3 and 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
         slowest = max(row["max_us"] for row in phase["per_rank"])
         assert phase["slowest_rank"]["max_us"] == slowest
+        # The bare-pyzmq floor, a fan-out after each reset: each rank's marker every round.
+        floor = phase["floor"]
+        assert floor["missing_markers"] == 0 and [r["rank"] for r in floor["per_rank"]] == [0, 1]
+        for row in [*floor["per_rank"], floor["slowest_rank"], floor["reply"]]:
+            assert row["n"] == 3 and 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
     idle, loaded = resets["phases"]
     assert idle["stores"] == 0 and loaded["stores"] > 0
 

@@ -26,6 +26,7 @@ from kvpubd.tools.bench_children import answer, start_child
 from kvpubd.tools.bench_probe import PROMPT_TOKENS, TINY_BLOCKS
 from kvpubd.tools.bench_prompts import iter_prompts
 from kvpubd.tools.bench_report import err, summary
+from kvpubd.tools.bench_reset_floor import ResetFloor, wait_until_live
 from kvpubd.tools.launcher import DaemonProcess
 from kvpubd.tools.service_cpu import rank_workers
 
@@ -270,6 +271,11 @@ def measure_rank_resets(
         ]
         markers = _Markers(watchers)
         _wait_watchers_live(client, markers)
+        floor = ResetFloor(
+            stack, ranks, lambda endpoint: start_child(stack, watch_markers, endpoint)
+        )
+        floor_markers = _Markers(floor.watchers)
+        wait_until_live(floor, floor_markers)
         workers = len(rank_workers(daemon.proc.pid)) if daemon.proc is not None else 0
         for fraction in [0.0, *load_fractions]:
             loads = []
@@ -279,7 +285,9 @@ def measure_rank_resets(
                     args = (daemon.control_endpoint, rank, rate)
                     loads.append(start_child(stack, paced_rank_load, *args))
             label = f"{fraction:.0%} load" if fraction else "idle"
-            phase = _phase(client, markers, fillers, loads, rounds, idle_ms, label)
+            phase = _phase(
+                client, markers, fillers, loads, rounds, idle_ms, label, (floor, floor_markers)
+            )
             done = []
             for pipe in loads:
                 pipe.send(None)
@@ -299,7 +307,7 @@ def measure_rank_resets(
         for pipe in fillers:
             pipe.send(None)
         streams = []
-        for pipe in watchers:
+        for pipe in [*watchers, *floor.watchers]:
             pipe.send(None)
             while (report := answer(pipe, "a marker watcher", 60)) and isinstance(report, tuple):
                 pass  # markers still on their way
@@ -336,12 +344,11 @@ def _phase(
     rounds: int,
     idle_ms: float,
     label: str,
+    floor: tuple[ResetFloor, _Markers],
 ) -> dict[str, Any]:
     ranks = len(fillers)
-    per_rank: list[list[int]] = [[] for _ in range(ranks)]
-    slowest: list[int] = []
-    replies: list[int] = []
-    missing = 0
+    times = _Timings(ranks)
+    floor_times = _Timings(ranks)
     cached_min: int | None = None
     fill_s: list[float] = []
     for round_no in range(rounds):
@@ -372,21 +379,12 @@ def _phase(
         time.sleep(LOADED_S if loads else idle_ms / 1000)  # a bench, not a test
         start = time.monotonic_ns()
         reply = client.reset(force=True)
-        replies.append(time.monotonic_ns() - start)
-        deadline = time.monotonic() + MARKER_TIMEOUT_S
-        latest = 0
-        for marker in reply.markers:
-            arrived = (
-                markers.arrival(marker.rank, marker.seq, deadline)
-                if marker.seq is not None
-                else None
-            )
-            if arrived is None:
-                missing += 1
-                continue
-            per_rank[marker.rank].append(arrived - start)
-            latest = max(latest, arrived - start)
-        slowest.append(latest)
+        times.arrivals(start, markers, [(m.rank, m.seq) for m in reply.markers])
+        latest = times.slowest[-1]
+        # The same fan-out in bare pyzmq, at the same moment of the host (the load, if any,
+        # still running), after the same pause.
+        time.sleep(idle_ms / 1000)
+        _time_floor(*floor, floor_times)
         if round_no % 5 == 4 or round_no == rounds - 1:
             err.print(
                 f"per-rank resets, {label}: round {round_no + 1}/{rounds}, slowest rank's "
@@ -394,15 +392,55 @@ def _phase(
             )
     return {
         "rounds": rounds,
-        "missing_markers": missing,
         "cached_blocks_min": cached_min,
         # Filling every rank and publishing it all, per round: where a round's time goes.
         "fill_s_p50": round(float(np.median(fill_s)), 3),
         "fill_s_max": round(max(fill_s), 3),
-        "per_rank": [{"rank": rank, **summary(samples)} for rank, samples in enumerate(per_rank)],
-        "slowest_rank": summary(slowest),
-        "reply": summary(replies),
+        **times.report(),
+        "floor": floor_times.report(),
     }
+
+
+class _Timings:
+    """Per round: each rank's reset -> marker time, the slowest of them, the reply (ns)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.per_rank: list[list[int]] = [[] for _ in range(ranks)]
+        self.slowest: list[int] = []
+        self.replies: list[int] = []
+        self.missing = 0
+
+    def arrivals(self, start: int, markers: _Markers, seqs: list[tuple[int, int | None]]) -> None:
+        """The markers (rank, seq) of a reset sent at ``start`` (and answered now), timed as
+        they reach their watchers (``missing`` counts those that never did)."""
+        self.replies.append(time.monotonic_ns() - start)
+        deadline = time.monotonic() + MARKER_TIMEOUT_S
+        latest = 0
+        for rank, seq in seqs:
+            arrived = markers.arrival(rank, seq, deadline) if seq is not None else None
+            if arrived is None:
+                self.missing += 1
+                continue
+            self.per_rank[rank].append(arrived - start)
+            latest = max(latest, arrived - start)
+        self.slowest.append(latest)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "missing_markers": self.missing,
+            "per_rank": [
+                {"rank": rank, **summary(samples)} for rank, samples in enumerate(self.per_rank)
+            ],
+            "slowest_rank": summary(self.slowest),
+            "reply": summary(self.replies),
+        }
+
+
+def _time_floor(floor: ResetFloor, markers: _Markers, timings: _Timings) -> None:
+    """One fan-out of the floor, timed as kvpubd's resets are."""
+    start = time.monotonic_ns()
+    seqs = floor.reset(MARKER_TIMEOUT_S)
+    timings.arrivals(start, markers, list(enumerate(seqs)))
 
 
 def print_rank_resets(result: dict[str, Any]) -> None:
@@ -413,7 +451,8 @@ def print_rank_resets(result: dict[str, Any]) -> None:
         title=f"reset of every rank -> marker received on each rank's stream: {result['ranks']} "
         f"rank(s), {result['fill_blocks']:,} cached blocks per rank before each reset",
         caption=f"{result['gaps']} seq gap(s) on the streams; capacity "
-        f"{result['capacity_requests_per_s']:,} requests/s",
+        f"{result['capacity_requests_per_s']:,} requests/s; floor: the same fan-out in bare "
+        "pyzmq (a front, a process per rank, the same watchers), timed after each reset",
     )
     for column in (
         "load",
@@ -432,8 +471,11 @@ def print_rank_resets(result: dict[str, Any]) -> None:
             if phase["load_fraction"]
             else ""
         )
+        floor = phase["floor"]
         rows = [(str(row["rank"]), row) for row in phase["per_rank"]]
         rows += [("slowest", phase["slowest_rank"]), ("reply", phase["reply"])]
+        rows += [(f"floor {row['rank']}", row) for row in floor["per_rank"]]
+        rows += [("floor slowest", floor["slowest_rank"]), ("floor reply", floor["reply"])]
         for i, (name, row) in enumerate(rows):
             table.add_row(
                 load if i == 0 else "",
