@@ -29,7 +29,7 @@ from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.pool import SCRUB_SLICE_BYTES, pool_segment_name
 from kvpubd.daemon.published import FrozenView, PublishedRecord
 from kvpubd.daemon.publisher import Publisher
-from kvpubd.daemon.reaper import Reaper
+from kvpubd.daemon.reaper import QUIET_AFTER_RESET_S, Reaper
 from kvpubd.daemon.relay import Relay
 from kvpubd.daemon.seq_state import SeqState, open_seq_state
 from kvpubd.daemon.settings import CacheConfig, Settings
@@ -187,6 +187,7 @@ class RankPipeline:
         self._wire_format = events.wire_format
         self._snapshot: SnapshotJob | None = None
         self._scrub: asyncio.Task[None] | None = None
+        self.scrub_delay_s = QUIET_AFTER_RESET_S  # before a reset's scrub starts (tests: 0)
         self._backlog: asyncio.Task[None] | None = None
 
     # -- publishing ---------------------------------------------------------------------------
@@ -407,16 +408,20 @@ class RankPipeline:
                 return
 
     def _scrub_freed(self) -> None:
-        """Zero the blocks the reset freed, a slice per loop turn from the next one on (the
-        reply goes out first); already running, the scrub takes in what this reset freed."""
+        """Zero the blocks the reset freed, a slice per loop turn, once ``scrub_delay_s`` has
+        passed (the reply and the marker leave first; a block handed out before the scrub
+        reaches it is zeroed then); already running, the scrub takes in what this reset
+        freed."""
         if self._scrub is None or self._scrub.done():
             self._scrub = asyncio.create_task(self._scrub_slices(), name="kvpubd scrub")
 
     async def _scrub_slices(self) -> None:
         # Every group's pool, one after the other (one slice per loop turn in all).
+        wait = self.scrub_delay_s
         for pool in [self.cache.pool, *(group.pool for group in self.cache.groups)]:
             while True:
-                await asyncio.sleep(0)
+                await asyncio.sleep(wait)
+                wait = 0
                 if pool.scrub_some(SCRUB_SLICE_BYTES):
                     break
 
