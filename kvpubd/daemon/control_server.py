@@ -75,11 +75,16 @@ class ControlServer:
         config: ControlConfig,
         handler: Handler,
         metrics: MetricsHooks,
+        replies_bounded_by_client: bool = False,
     ) -> None:
+        """``replies_bounded_by_client``: the only client (a rank worker's service) bounds
+        what it has in flight, so no reply is ever dropped for a full queue; otherwise the
+        replies of a client that stops reading are dropped past ZeroMQ's queue (its loss)."""
         self._context = context
         self._config = config
         self._handler = handler
         self._metrics = metrics
+        self._replies_bounded_by_client = replies_bounded_by_client
         self._sock: zmq.Socket[bytes] | None = None
         self._curve: CurveServer | None = None
         self._fd: int | None = None
@@ -107,6 +112,10 @@ class ControlServer:
         config = self._config
         sock = self._sock = listener(self._context.socket(zmq.ROUTER), LIVE_AFFINITY, self._context)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._replies_bounded_by_client:
+            # At the default (1000) a burst of replies its service read late was dropped, and
+            # those requests were never answered.
+            sock.setsockopt(zmq.SNDHWM, 0)
         if config.curve_secret_key:
             self._curve = CurveServer(
                 self._context, Path(config.curve_secret_key), Path(config.curve_authorized_keys)

@@ -256,7 +256,12 @@ class Service:
         self._check_memory()
         self._context = new_context()
         self.control = ControlServer(
-            self._context, self._control_config, self._control_handler(), self.metrics
+            self._context,
+            self._control_config,
+            self._control_handler(),
+            self.metrics,
+            # A worker's one client is its service, which bounds its requests in flight.
+            replies_bounded_by_client=self.worker is not None,
         )
         self.control.bind()
         await self._start_ranks(self._context)
