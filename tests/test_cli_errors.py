@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,6 +261,9 @@ def test_ctrl_c_while_the_command_line_is_imported_exits_130() -> None:
     assert result.stderr.strip().splitlines() == ["kvpubd: interrupted"]
 
 
+GAP_NOTE = r"# gap on rank 0: seqs \d+\.\.\d+ missing, repairing through replay"
+
+
 def test_subscribe_into_a_closed_pipe_exits_0(daemon: Daemon) -> None:
     """`kvpubd subscribe | head -1`: when the reader goes, subscribe ends quietly with 0."""
     read_end, write_end = os.pipe()
@@ -292,7 +296,10 @@ def test_subscribe_into_a_closed_pipe_exits_0(daemon: Daemon) -> None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
-    assert err == ""
+    # Nothing but, at most, the note of a batch published before the SUB's subscription had
+    # reached the PUB (ZeroMQ's slow joiner), repaired through replay.
+    notes = [line for line in err.splitlines() if not re.fullmatch(GAP_NOTE, line)]
+    assert notes == []
 
 
 def test_loadgen_reports_sent_and_failed_and_fails_on_errors(start_daemon: object) -> None:
