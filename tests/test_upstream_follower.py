@@ -117,6 +117,43 @@ async def test_a_gap_replay_cannot_fill_is_reported_lost(flavour: str, tmp_path:
     assert collector.follower.counters.lost == lost_joining + 4
 
 
+async def test_an_answer_cut_short_is_asked_for_again_from_where_it_stopped(
+    flavour: str, tmp_path: Path
+) -> None:
+    """A gap of 30 batches, and replay answers cut after 7 (the follower's own bound, as an
+    answer is cut when the engine's ROUTER drops its tail on the way): each answer's batches
+    are given out and the rest asked for again, as long as an answer brings more, so nothing
+    the engine still holds is lost."""
+    engine = Engine(flavour, tmp_path).start()
+    relay = Relay(engine.endpoint, tmp_path)
+    try:
+        following = EngineFollower(
+            relay.endpoint,
+            engine.replay_endpoint,
+            flavour="sglang" if flavour == "sglang" else "vllm",
+            max_replay_batches=7,
+        )
+        collector = Collector(following)
+        key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+        await collector.until(lambda: collector.batches[-1].seq == key - 1, "the warm-up")
+        lost_joining = following.counters.lost
+        first_hole = key
+        relay.drop = set(range(first_hole, first_hole + 30)).__contains__
+        for _ in range(31):
+            engine.publish(key)
+            key += 1
+        await collector.until(lambda: collector.batches[-1].seq == key - 1, "the last batch")
+        await collector.stop()
+    finally:
+        relay.stop()
+        engine.shutdown()
+    after = [b for b in collector.batches if b.seq >= first_hole]
+    assert seqs(after) == list(range(first_hole, key))
+    assert [b.events for b in after] == [[engine.expected(b.seq)] for b in after]
+    assert following.counters.lost == lost_joining
+    assert following.counters.replays_repeated >= 30 // 7
+
+
 async def test_without_a_replay_socket_a_gap_is_lost(engine: Engine, relay: Relay) -> None:
     collector = Collector(follower(engine, relay.endpoint, replay=False))
     key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)

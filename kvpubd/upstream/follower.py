@@ -80,6 +80,7 @@ class FollowerCounters:
     malformed: int = 0  # messages or payloads that did not decode (skipped)
     replays_cut_short: int = 0  # replay answers that fell silent or ran too long
     duplicates: int = 0  # live batches a catch-up (idle_check) had given out already
+    replays_repeated: int = 0  # answers with batches dropped on the way, asked for again
 
 
 OnBatch = Callable[[FollowedBatch], Awaitable[None] | None]
@@ -257,44 +258,65 @@ class EngineFollower:
 
     async def _fill(self, stop: int | None) -> AsyncIterator[FollowedBatch]:
         """Give out the batches from the next expected seq up to ``stop`` (excluded; None: all
-        there are) that replay returns; lose the rest."""
+        there are) that replay returns; lose the rest.
+
+        An engine's ring holds consecutive seqs, so only where an answer starts can it show
+        that batches are gone for good. A seq missing after one that came was dropped on the
+        way (the engines' replay ROUTER sends its whole answer at once and drops past its
+        send high-water mark, 1000, while we read), as is a tail after which the answer fell
+        silent: those are asked for again, as long as each answer brings something new."""
         if self._replay is None:
             if stop is not None:
                 self._lose(stop - self._next_seq())
             return
-        verify = self._last_payload is not None
-        ask = self._last if verify else self._next_seq()
-        restarted = False
-        answered = False
-        async for seq, payload in self._replay.batches(ask):
-            answered = True
-            if verify and seq == ask:
-                restarted = payload != self._last_payload
+        while True:
+            verify = self._last_payload is not None
+            ask = self._last if verify else self._next_seq()
+            before = self._last
+            restarted = answered = dropped = False
+            async for seq, payload in self._replay.batches(ask):
+                if verify and seq == ask and not answered:
+                    answered = True
+                    restarted = payload != self._last_payload
+                    continue
+                first, answered = not answered, True
+                if restarted or dropped or seq < self._next_seq():
+                    continue  # read to the end all the same: the socket serves the next request
+                if stop is not None and seq >= stop:
+                    continue
+                if seq > self._next_seq():
+                    if not first:
+                        dropped = True  # on the way: asked for again below
+                        continue
+                    self._lose(seq - self._next_seq())  # the ring has moved past them
+                batch = self._accept(seq, payload, Condition.REPLAYED)
+                if batch is not None:
+                    yield batch
+            outcome = self._replay.outcome
+            self.counters.malformed += outcome.malformed
+            self.counters.replays_cut_short += int(not outcome.finished)
+            if stop is None and verify and self._disconnected and outcome.finished and not answered:
+                # A silence after a lost connection, and the engine holds nothing from our last
+                # batch on (its ring always holds its newest): it restarted and has published
+                # fewer batches than before, none of which reached us live.
+                restarted = True
+            if restarted:
+                # Our last batch came back different: the engine restarted and its new seqs
+                # passed ours. Its history is taken again from its start.
+                self._restarted()
+                async for batch in self._fill(stop):
+                    yield batch
+                return
+            incomplete = dropped or not outcome.finished
+            if incomplete and self._last > before and not self._reached(stop):
+                self.counters.replays_repeated += 1
                 continue
-            if restarted or seq < self._next_seq() or (stop is not None and seq >= stop):
-                continue  # read to the end all the same: the socket serves the next request
-            if seq > self._next_seq():
-                self._lose(seq - self._next_seq())
-            batch = self._accept(seq, payload, Condition.REPLAYED)
-            if batch is not None:
-                yield batch
-        outcome = self._replay.outcome
-        self.counters.malformed += outcome.malformed
-        self.counters.replays_cut_short += int(not outcome.finished)
-        if stop is None and verify and self._disconnected and outcome.finished and not answered:
-            # A silence after a lost connection, and the engine holds nothing from our last
-            # batch on (its ring always holds its newest): it restarted and has published
-            # fewer batches than before, none of which reached us live.
-            restarted = True
-        if restarted:
-            # Our last batch came back different: the engine restarted and its new seqs passed
-            # ours. Its history is taken again from its start.
-            self._restarted()
-            async for batch in self._fill(stop):
-                yield batch
+            if stop is not None and self._next_seq() < stop:
+                self._lose(stop - self._next_seq())
             return
-        if stop is not None and self._next_seq() < stop:
-            self._lose(stop - self._next_seq())
+
+    def _reached(self, stop: int | None) -> bool:
+        return stop is not None and self._next_seq() >= stop
 
     def _accept(self, seq: int, payload: bytes, condition: Condition) -> FollowedBatch | None:
         self._last, self._last_payload = seq, payload
