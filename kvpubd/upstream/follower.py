@@ -280,10 +280,13 @@ class EngineFollower:
                     restarted = payload != self._last_payload
                     continue
                 first, answered = not answered, True
-                if restarted or dropped or seq < self._next_seq():
+                if (
+                    restarted
+                    or dropped
+                    or seq < self._next_seq()
+                    or (stop is not None and seq >= stop)
+                ):
                     continue  # read to the end all the same: the socket serves the next request
-                if stop is not None and seq >= stop:
-                    continue
                 if seq > self._next_seq():
                     if not first:
                         dropped = True  # on the way: asked for again below
@@ -307,16 +310,13 @@ class EngineFollower:
                 async for batch in self._fill(stop):
                     yield batch
                 return
-            incomplete = dropped or not outcome.finished
-            if incomplete and self._last > before and not self._reached(stop):
+            wanted = stop is None or self._next_seq() < stop  # batches still to give out
+            if (dropped or not outcome.finished) and self._last > before and wanted:
                 self.counters.replays_repeated += 1
                 continue
-            if stop is not None and self._next_seq() < stop:
+            if stop is not None and wanted:
                 self._lose(stop - self._next_seq())
             return
-
-    def _reached(self, stop: int | None) -> bool:
-        return stop is not None and self._next_seq() >= stop
 
     def _accept(self, seq: int, payload: bytes, condition: Condition) -> FollowedBatch | None:
         self._last, self._last_payload = seq, payload
