@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from multiprocessing.connection import wait
 from typing import Any
@@ -26,7 +26,7 @@ from kvpubd.tools.bench_children import answer, start_child
 from kvpubd.tools.bench_probe import PROMPT_TOKENS, TINY_BLOCKS
 from kvpubd.tools.bench_prompts import iter_prompts
 from kvpubd.tools.bench_report import err, summary
-from kvpubd.tools.bench_reset_floor import ResetFloor, wait_until_live
+from kvpubd.tools.bench_reset_floor import ResetFloor
 from kvpubd.tools.launcher import DaemonProcess
 from kvpubd.tools.service_cpu import rank_workers
 
@@ -270,12 +270,14 @@ def measure_rank_resets(
             for rank in range(ranks)
         ]
         markers = _Markers(watchers)
-        _wait_watchers_live(client, markers)
+        _wait_watchers_live(
+            lambda: [(m.rank, m.seq) for m in client.reset(force=True).markers], markers
+        )
         floor = ResetFloor(
             stack, ranks, lambda endpoint: start_child(stack, watch_markers, endpoint)
         )
         floor_markers = _Markers(floor.watchers)
-        wait_until_live(floor, floor_markers)
+        _wait_watchers_live(lambda: list(enumerate(floor.reset(MARKER_TIMEOUT_S))), floor_markers)
         workers = len(rank_workers(daemon.proc.pid)) if daemon.proc is not None else 0
         for fraction in [0.0, *load_fractions]:
             loads = []
@@ -324,13 +326,16 @@ def measure_rank_resets(
     }
 
 
-def _wait_watchers_live(client: Any, markers: _Markers, timeout_s: float = 60.0) -> None:
-    """Resets until every watcher has reported one (its SUB is connected)."""
+def _wait_watchers_live(
+    reset: Callable[[], list[tuple[int, int | None]]], markers: _Markers, timeout_s: float = 60.0
+) -> None:
+    """Resets (each giving its markers' (rank, seq)) until every watcher has reported one (its
+    SUB is connected)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        reply = client.reset(force=True)
+        sent = reset()
         markers.collect(0.2)
-        if all(markers.seen[m.rank].get(m.seq) for m in reply.markers):
+        if all(seq is not None and markers.seen[rank].get(seq) for rank, seq in sent):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"a rank's marker never reached its watcher in {timeout_s:g} s")

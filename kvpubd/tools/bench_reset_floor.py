@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from contextlib import ExitStack, suppress
 from typing import Any
 
@@ -138,18 +137,3 @@ class ResetFloor:
 def _stop(pipe: Any) -> None:
     with suppress(OSError):  # it ended already
         pipe.send(None)
-
-
-def wait_until_live(floor: ResetFloor, markers: Any, timeout_s: float = 60.0) -> None:
-    """Fan-outs until every rank's watcher has read a marker (every link and SUB connected);
-    ``markers`` collects the floor's watchers."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        seqs = floor.reset(timeout_s)
-        markers.collect(0.2)
-        if all(markers.seen[rank].get(seq) for rank, seq in enumerate(seqs)):
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"a floor rank's marker never reached its watcher in {timeout_s:g} s"
-            )
