@@ -31,12 +31,38 @@ def relay(engine: Engine, tmp_path: Path) -> Iterator[Relay]:
     relay.stop()
 
 
-def follower(engine: Engine, endpoint: str | None = None, replay: bool = True) -> EngineFollower:
+def follower(
+    engine: Engine,
+    endpoint: str | None = None,
+    replay: bool = True,
+    max_replay_batches: int = 20_000,
+) -> EngineFollower:
     return EngineFollower(
         endpoint or engine.endpoint,
         engine.replay_endpoint if replay else None,
         flavour="sglang" if engine.flavour == "sglang" else "vllm",
+        max_replay_batches=max_replay_batches,
     )
+
+
+async def across_a_gap(
+    engine: Engine, relay: Relay, following: EngineFollower, dropped: int
+) -> tuple[list[FollowedBatch], int, int]:
+    """``following`` reads ``engine`` through ``relay``; once it has every batch so far, the
+    relay drops the next ``dropped`` and one more comes through. The batches given out from
+    the first dropped one on, that one's seq, and the batches lost while joining."""
+    collector = Collector(following)
+    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+    await collector.until(lambda: collector.batches[-1].seq == key - 1, "the warm-up")
+    lost_joining = following.counters.lost
+    first_hole = key
+    relay.drop = set(range(first_hole, first_hole + dropped)).__contains__
+    for _ in range(dropped + 1):
+        engine.publish(key)
+        key += 1
+    await collector.until(lambda: collector.batches[-1].seq == key - 1, "the last batch")
+    await collector.stop()
+    return [b for b in collector.batches if b.seq >= first_hole], first_hole, lost_joining
 
 
 def seqs(batches: list[FollowedBatch]) -> list[int]:
@@ -91,22 +117,12 @@ async def test_a_gap_replay_cannot_fill_is_reported_lost(flavour: str, tmp_path:
     reported lost on it."""
     engine = Engine(flavour, tmp_path, buffer_steps=2).start()
     relay = Relay(engine.endpoint, tmp_path)
+    following = follower(engine, relay.endpoint)
     try:
-        collector = Collector(follower(engine, relay.endpoint))
-        key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
-        await collector.until(lambda: collector.batches[-1].seq == key - 1, "the warm-up")
-        lost_joining = collector.follower.counters.lost
-        first_hole = key
-        relay.drop = set(range(first_hole, first_hole + 5)).__contains__
-        for _ in range(6):
-            engine.publish(key)
-            key += 1
-        await collector.until(lambda: collector.batches[-1].seq == key - 1, "the last batch")
-        await collector.stop()
+        after, first_hole, lost_joining = await across_a_gap(engine, relay, following, 5)
     finally:
         relay.stop()
         engine.shutdown()
-    after = [b for b in collector.batches if b.seq >= first_hole]
     assert seqs(after) == [first_hole + 4, first_hole + 5]
     assert [b.events for b in after] == [[engine.expected(b.seq)] for b in after]
     assert (after[0].condition, after[0].missing_before) == (
@@ -114,7 +130,7 @@ async def test_a_gap_replay_cannot_fill_is_reported_lost(flavour: str, tmp_path:
         4,
     )
     assert after[1].condition == Condition.NONE
-    assert collector.follower.counters.lost == lost_joining + 4
+    assert following.counters.lost == lost_joining + 4
 
 
 async def test_an_answer_cut_short_is_asked_for_again_from_where_it_stopped(
@@ -126,29 +142,13 @@ async def test_an_answer_cut_short_is_asked_for_again_from_where_it_stopped(
     the engine still holds is lost."""
     engine = Engine(flavour, tmp_path).start()
     relay = Relay(engine.endpoint, tmp_path)
+    following = follower(engine, relay.endpoint, max_replay_batches=7)
     try:
-        following = EngineFollower(
-            relay.endpoint,
-            engine.replay_endpoint,
-            flavour="sglang" if flavour == "sglang" else "vllm",
-            max_replay_batches=7,
-        )
-        collector = Collector(following)
-        key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
-        await collector.until(lambda: collector.batches[-1].seq == key - 1, "the warm-up")
-        lost_joining = following.counters.lost
-        first_hole = key
-        relay.drop = set(range(first_hole, first_hole + 30)).__contains__
-        for _ in range(31):
-            engine.publish(key)
-            key += 1
-        await collector.until(lambda: collector.batches[-1].seq == key - 1, "the last batch")
-        await collector.stop()
+        after, first_hole, lost_joining = await across_a_gap(engine, relay, following, 30)
     finally:
         relay.stop()
         engine.shutdown()
-    after = [b for b in collector.batches if b.seq >= first_hole]
-    assert seqs(after) == list(range(first_hole, key))
+    assert seqs(after) == list(range(first_hole, first_hole + 31))
     assert [b.events for b in after] == [[engine.expected(b.seq)] for b in after]
     assert following.counters.lost == lost_joining
     assert following.counters.replays_repeated >= 30 // 7
