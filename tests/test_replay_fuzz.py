@@ -10,8 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpubd.client import Mirror, replay
+from kvpubd.daemon.transports.zmq import REPLAY_CHUNK
 from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
+from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
 from tests.mirrors import snapshot_blocks
 from tests.streams import BLOCK_SIZE, concurrent_replays, prompt
@@ -70,15 +72,22 @@ def test_garbage_at_the_replay_socket(daemon: Daemon, messages: list[list[bytes]
     check_stream(daemon, endpoint)
 
 
-def test_hundreds_of_concurrent_replay_clients(daemon: Daemon) -> None:
+def test_hundreds_of_concurrent_replay_clients(start_daemon: DaemonFactory) -> None:
+    # 32 replays at once (half the default), each far longer than a turn's share (REPLAY_CHUNK):
+    # a replay is still streaming when the next requests are read, so some are refused
+    # however the clients' requests happen to arrive.
+    daemon = start_daemon(events={"max_replays": 32})
     with daemon.client() as client:
         for i in range(50):
             client.store(f"r{i}", prompt(1000 + i, 2))
             client.release(f"r{i}")
+            for _ in range(6):
+                client.reset()  # a batch of its own, at once
         last = client.snapshot().seq
     endpoint = rank_endpoint(daemon.replay_endpoint, 0)
     origin = replay(endpoint, 0, timeout=20)[0][0]
-    for got in concurrent_replays(endpoint, 300):
+    assert last - origin > 4 * REPLAY_CHUNK
+    for got in concurrent_replays(endpoint, 300, attempt_timeout=0.2):
         assert got == list(range(origin, last + 1))
     assert daemon.alive()
     with daemon.client() as client:
