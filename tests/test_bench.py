@@ -296,6 +296,7 @@ def test_bench_soak_runs_its_loads_without_a_divergence() -> None:
     assert reports["small-stores"]["ops"] > 0 and reports["snapshots"]["ops"] > 0
     assert reports["vanishing-clients"]["rounds"] > 0
     assert result["checkpoints"] >= 1 and result["daemon"]["alive_at_end"]
+    assert set(result["checkpoint_answer_s_max"]) == {"replay", "snapshot"}
 
 
 def test_bench_snapshot_rebuilds_every_cached_block_for_every_client() -> None:

@@ -38,7 +38,10 @@ def publish_batches(daemon: Daemon, count: int) -> int:
 
 
 def local_publisher(
-    context: zmq.Context[zmq.Socket[bytes]], directory: Path, buffer_steps: int
+    context: zmq.Context[zmq.Socket[bytes]],
+    directory: Path,
+    buffer_steps: int,
+    max_replays: int = 64,
 ) -> Publisher[ZmqTransport]:
     """A publisher in this process (no loop runs it unless the test starts one), on ipc."""
     return Publisher.over_zmq(
@@ -46,7 +49,23 @@ def local_publisher(
         endpoint=f"ipc://{directory}/ev",
         replay_endpoint=f"ipc://{directory}/replay",
         buffer_steps=buffer_steps,
+        max_replays=max_replays,
     )
+
+
+def replayed(publisher: Publisher[ZmqTransport], dealer: zmq.Socket[bytes]) -> list[int]:
+    """Pump the publisher (no loop runs here) until the replay's end marker reaches
+    ``dealer``; the seqs it got before it."""
+    seqs: list[int] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        publisher.transport.handle_replay()
+        while dealer.poll(10):
+            frames = dealer.recv_multipart()
+            if frames[-2] == END_SEQ:
+                return seqs
+            seqs.append(int.from_bytes(frames[-2], "big"))
+    raise AssertionError(f"the replay did not end; got {seqs}")
 
 
 def test_long_replay_is_complete_and_ordered(start_daemon: DaemonFactory) -> None:
@@ -85,20 +104,6 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
     publisher = local_publisher(context, tmp_path, buffer_steps=4)
     dealer = context.socket(zmq.DEALER)
     dealer.connect(publisher.replay_endpoint)
-
-    def replayed() -> list[int]:
-        """Pump the publisher (no loop runs here) until the replay's end marker arrives."""
-        seqs: list[int] = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            publisher.transport.handle_replay()
-            while dealer.poll(10):
-                frames = dealer.recv_multipart()
-                if frames[-2] == b"\xff" * 8:
-                    return seqs
-                seqs.append(int.from_bytes(frames[-2], "big"))
-        raise AssertionError(f"the replay did not end; got {seqs}")
-
     try:
         for _ in range(4):
             publisher.publish([])
@@ -107,12 +112,42 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
             publisher.transport.handle_replay(slice_s=0)
         for _ in range(20):
             publisher.publish([])
-        assert replayed() == list(range(24))  # nothing it still needed was dropped
+        assert replayed(publisher, dealer) == list(range(24))  # nothing still needed dropped
         last = publisher.publish([])
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        assert replayed() == list(range(last - 3, last + 1))
+        assert replayed(publisher, dealer) == list(range(last - 3, last + 1))
     finally:
         dealer.close(linger=0)
+        publisher.close()
+        context.term()
+
+
+def test_a_peer_that_asks_again_and_again_holds_one_replay_slot(tmp_path: Path) -> None:
+    """A peer's new request replaces its replay in progress: one that asks over and over and
+    never reads (a flood, or a client retrying) takes one of the max_replays slots, not all,
+    and another client is served at once. It once took them all: every other client was
+    refused, heard nothing, and waited its whole replay timeout (the soak's follower, 30 s)."""
+    context = zmq.Context()
+    publisher = local_publisher(context, tmp_path, buffer_steps=8 * REPLAY_CHUNK, max_replays=2)
+    flood = context.socket(zmq.DEALER)
+    flood.connect(publisher.replay_endpoint)
+    reader = context.socket(zmq.DEALER)
+    reader.connect(publisher.replay_endpoint)
+    transport = publisher.transport
+    try:
+        for _ in range(4 * REPLAY_CHUNK):  # longer than one turn's share: still streaming
+            publisher.publish([])
+        for _ in range(10):
+            flood.send_multipart([b"", pack_seq(0)])
+        while transport.replay_requests + transport.replays_refused < 10:
+            transport.handle_replay(slice_s=0)  # accepts only: nothing streamed
+        assert (transport.replays_in_progress, transport.replays_refused) == (1, 0)
+        reader.send_multipart([b"", pack_seq(0)])
+        assert replayed(publisher, reader) == list(range(4 * REPLAY_CHUNK))
+        assert transport.replays_refused == 0
+    finally:
+        flood.close(linger=0)
+        reader.close(linger=0)
         publisher.close()
         context.term()
 

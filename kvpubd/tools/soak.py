@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import signal
@@ -182,6 +183,7 @@ def run_soak(
     lost = 0
     divergences: list[str] = []
     checkpoints = 0
+    answer_s: dict[str, float] = {}  # each follower's slowest checkpoint answer
     sighups = 0
     report: dict[str, Any] = {"loads_run": names}
     try:
@@ -196,7 +198,7 @@ def run_soak(
         while (now := time.monotonic()) < started + duration_s:
             if now >= next_checkpoint:
                 checkpoints += 1
-                divergences += _checkpoint(control, probe, commands)
+                divergences += _checkpoint(control, probe, commands, answer_s)
                 next_checkpoint = time.monotonic() + CHECKPOINT_EVERY_S
             time.sleep(rng.uniform(0.05, 0.25))
             if reloads and rng.random() < 0.05 and daemon.proc is not None:
@@ -212,7 +214,7 @@ def run_soak(
             if progress is not None:
                 progress(f"soak: {len(markers)} resets, {now - started:.0f}/{duration_s:.0f} s")
         checkpoints += 1
-        divergences += _checkpoint(control, probe, commands)
+        divergences += _checkpoint(control, probe, commands, answer_s)
     finally:
         control.stop.set()
         control.go.set()
@@ -244,6 +246,7 @@ def run_soak(
             "resets_lost": lost,
             "reloads": sighups,
             "checkpoints": checkpoints,
+            "checkpoint_answer_s_max": {k: round(v, 2) for k, v in answer_s.items()},
             "divergences": divergences,
         }
     )
@@ -258,9 +261,12 @@ def run_soak(
     return report
 
 
-def _checkpoint(control: LoadControl, probe: Any, commands: list[Any]) -> list[str]:
+def _checkpoint(
+    control: LoadControl, probe: Any, commands: list[Any], answer_s: dict[str, float]
+) -> list[str]:
     """Loads hold still (what is in flight finishes), the daemon publishes what it captured,
-    then each follower compares its mirrors with the snapshots."""
+    then each follower compares its mirrors with the snapshots; ``answer_s`` keeps each
+    follower's slowest answer (seconds from the check sent)."""
     control.go.clear()
     try:
         time.sleep(1.0)  # in-flight operations of the loads finish (a tool, not a test)
@@ -271,12 +277,17 @@ def _checkpoint(control: LoadControl, probe: Any, commands: list[Any]) -> list[s
             probe.drain_sub(0.01)
         for command in commands:
             command.send("check")
+        sent = time.monotonic()
         found: list[str] = []
-        for command, how in zip(commands, FOLLOWERS, strict=True):
-            if not command.poll(180):
-                found.append(f"the {how} follower did not answer a checkpoint")
-            else:
+        # Answers as they come: a slow follower is named as such, not the one read after it.
+        waiting = dict(zip(commands, FOLLOWERS, strict=True))
+        while waiting and (left := sent + 180 - time.monotonic()) > 0:
+            ready = multiprocessing.connection.wait(list(waiting), left)
+            for command in [c for c in waiting if c in ready]:
+                how = waiting.pop(command)
+                answer_s[how] = max(answer_s.get(how, 0.0), time.monotonic() - sent)
                 found += command.recv()["divergences"]
+        found += [f"the {how} follower did not answer a checkpoint" for how in waiting.values()]
         return found
     finally:
         control.go.set()

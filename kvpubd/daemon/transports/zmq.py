@@ -91,6 +91,7 @@ class ZmqTransport:
         self.max_replays = max_replays
         self._replays: deque[_Replay] = deque()  # streaming, round-robin
         self._waiting: list[_Replay] = []  # waiting for a snapshot batch
+        self._by_peer: dict[bytes, _Replay] = {}  # each replay in progress, by its peer
         self._pump_scheduled = False
         self._replay_fd: int | None = None
         self.snapshot_server: SnapshotEndpoint | None = None
@@ -233,7 +234,7 @@ class ZmqTransport:
             if not self._stream(sock, replay, REPLAY_CHUNK):
                 self._replays.append(replay)
             elif replay.snapshot is None:  # finished (a parked one still holds the ring)
-                self.history.release(replay)
+                self._finished(replay)
         more_requests = readable(sock)
         return bool(self._replays) or more_requests
 
@@ -244,17 +245,41 @@ class ZmqTransport:
                 "rank %d: ignored malformed replay request (%d frames)", self.rank, len(frames)
             )
             return
+        identity = frames[0]
+        # A peer asks again only once it has given up on its answer (a REQ cannot do otherwise;
+        # kvpubd's clients then ask from a fresh socket): its new request replaces the old, so
+        # one peer never holds more than one of the max_replays slots. One that asked over
+        # and over, never reading, held them all, and refused everyone else's.
+        self._drop_replay_of(identity)
         if self.replays_in_progress >= self.max_replays:
             # No reply: the client times out and asks again once the others are served.
             self.replays_refused += 1
             log.debug("rank %d: %d replays in progress, one refused", self.rank, self.max_replays)
             return
         self.replay_requests += 1
-        replay = _Replay(frames[0], int.from_bytes(frames[2], "big"))
+        replay = _Replay(identity, int.from_bytes(frames[2], "big"))
         log.debug("rank %d: replay from seq %d", self.rank, replay.next_seq)
+        self._by_peer[identity] = replay
         self.history.hold(replay)
         if not self._wait_for_snapshot(replay):
             self._replays.append(replay)
+
+    def _drop_replay_of(self, identity: bytes) -> None:
+        """End the replay in progress of the peer ``identity``, if any, without its end
+        marker."""
+        old = self._by_peer.get(identity)
+        if old is None:
+            return
+        if old in self._waiting:
+            self._waiting.remove(old)
+        elif old in self._replays:
+            self._replays.remove(old)
+        self._finished(old)
+
+    def _finished(self, replay: _Replay) -> None:
+        self.history.release(replay)
+        if self._by_peer.get(replay.identity) is replay:
+            del self._by_peer[replay.identity]
 
     def _wait_for_snapshot(self, replay: _Replay) -> bool:
         """Park a replay whose start the ring no longer holds until a snapshot batch of the
@@ -330,7 +355,7 @@ class ZmqTransport:
             # and no replays (they once raised on the closed socket during shutdown).
             self.replay = None
             for replay in (*self._replays, *self._waiting):
-                self.history.release(replay)
+                self._finished(replay)
             self._replays.clear()
             self._waiting.clear()
         self.pub.close()
