@@ -215,6 +215,29 @@ async def test_clients_that_never_read_cannot_keep_old_snapshots_alive_without_b
     assert seq_of(reply) == 1
 
 
+async def test_a_peer_that_asks_again_and_again_waits_in_one_place(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's new request replaces its request still waiting: one that asks over and over
+    while a build runs (a flood, never reading) holds one of the MAX_WAITING places, and a
+    client asking after it is answered by the build. It once filled them all, and every
+    other request was ignored until its client's timeout."""
+    monkeypatch.setattr(zmq_snapshot, "MAX_WAITING", 4)
+    flood = rig.client(zmq.DEALER)
+    for _ in range(10):
+        flood.send_multipart([b"", b"snapshot"])
+    sock = rig.client()
+    sock.send(b"snapshot")
+    endpoint = rig.endpoint
+    await until(lambda: endpoint.requests + endpoint.ignored == 11, "every request")
+    assert endpoint.ignored == 0
+    rig.builds.jobs[0].result.set_result(snapshot_at(0))
+    assert seq_of(await reply_of(sock)) == 0
+    assert seq_of((await reply_of(flood))[1:]) == 0  # its last request's answer
+    await until(lambda: not endpoint._replies, "every reply sent")
+    assert not flood.poll(0)  # and no other
+
+
 async def test_a_message_of_thousands_of_frames_is_dropped_a_slice_per_turn(rig: Rig) -> None:
     rig.endpoint.stop()  # pumped by hand below
     flood = rig.client(zmq.DEALER)

@@ -47,7 +47,7 @@ MAX_MESSAGE_BYTES = 512
 # came, as REQ/ROUTER envelopes do. Longer messages are not requests.
 MAX_REQUEST_FRAMES = 8
 ACCEPT_FRAMES = 256  # frames read per loop turn (a message of thousands is discarded in slices)
-MAX_WAITING = 1024  # requests waiting for a snapshot; more are ignored (the client retries)
+MAX_WAITING = 1024  # peers waiting for a snapshot; more are ignored (the client retries)
 PEER_HWM = 2  # replies ZeroMQ queues for one peer; a reply beyond that is dropped
 PINNED_BYTES = 1 << 30  # older snapshots kept alive by replies still in ZeroMQ's hands
 SEND_SLICE_S = 0.0005  # reply frames sent per loop turn
@@ -79,8 +79,9 @@ class SnapshotEndpoint:
         self.requests = 0  # well-formed requests received
         self.unavailable = 0  # answered -2
         self.ignored = 0  # malformed, or beyond MAX_WAITING
-        # (envelope: the request's frames but its last, the last seq published when it asked)
-        self._waiting: list[tuple[tuple[bytes, ...], int]] = []
+        # By the peer's identity (one request each: a new one replaces the peer's last),
+        # (envelope: the request's frames but its last, the last seq published when it asked).
+        self._waiting: dict[bytes, tuple[tuple[bytes, ...], int]] = {}
         self._job: asyncio.Future[Snapshot] | None = None  # the build the waiting wait for
         self._replies: deque[_Reply] = deque()
         self._in_flight: list[tuple[zmq.MessageTracker, Snapshot]] = []
@@ -175,11 +176,15 @@ class SnapshotEndpoint:
             self.ignored += 1
             log.debug("rank %d: ignored a malformed snapshot request", self.history.rank)
             return
-        if len(self._waiting) >= MAX_WAITING:
+        # A peer asks again only once it gave up on its answer (a REQ cannot do otherwise):
+        # its new request replaces the one waiting, so one peer asking over and over without
+        # reading holds one place, not all MAX_WAITING (everyone else's requests ignored).
+        peer = frames[0]
+        if len(self._waiting) >= MAX_WAITING and peer not in self._waiting:
             self.ignored += 1
             return
         self.requests += 1
-        self._waiting.append((tuple(frames[:-1]), self.history.last_seq))
+        self._waiting[peer] = (tuple(frames[:-1]), self.history.last_seq)
 
     def _dispatch(self) -> None:
         """Answer the waiting requests that the current snapshot reaches; start (or wait
@@ -202,15 +207,15 @@ class SnapshotEndpoint:
 
     def _answer(self, job: asyncio.Future[Snapshot]) -> None:
         if job.cancelled() or job.exception() is not None:
-            waiting, self._waiting = self._waiting, []
-            for envelope, _ in waiting:
+            waiting, self._waiting = self._waiting, {}
+            for envelope, _ in waiting.values():
                 self._queue_unavailable(envelope)
             return
         snapshot = job.result()
         if snapshot.freed:  # retired before we got to it: the waiting wait for a newer build
             return
-        answered = [envelope for envelope, seen in self._waiting if seen <= snapshot.seq]
-        self._waiting = [w for w in self._waiting if w[1] > snapshot.seq]
+        answered = [envelope for envelope, seen in self._waiting.values() if seen <= snapshot.seq]
+        self._waiting = {p: w for p, w in self._waiting.items() if w[1] > snapshot.seq}
         # (A run that serves snapshots never numbers past MAX_SIGNED_SEQ.)
         if not answered or snapshot.seq > MAX_SIGNED_SEQ or not self._may_pin(snapshot):
             for envelope in answered:
