@@ -431,11 +431,14 @@ def test_a_batch_gets_the_same_replies_from_worker_processes() -> None:
     assert [s.blocks_cached for s in stats_on] == [s.blocks_cached for s in stats_off]
 
 
-def test_a_reset_is_not_held_behind_other_clients_stores() -> None:
+@pytest.mark.parametrize("lead", [None, "stats"])
+def test_a_reset_is_not_held_behind_other_clients_stores(lead: str | None) -> None:
     """A client's reset is read by the rank's worker next, as a daemon in one process reads
     it, not after every store the service forwarded for other clients: stores still queued
     behind it are applied after it (their blocks are cached once all are answered). Held
-    behind them, the reset would clear every one of them."""
+    behind them, the reset would clear every one of them. With ``lead``, the other client's
+    stores follow an op of its own still unanswered (stats): they once followed it onto the
+    priority connection, and the reset waited behind all of them."""
     # Enough work behind the first reply (about 64k blocks) that a loaded machine does not
     # finish every store before the reset is sent: CI once saw all 32 of 512 blocks done.
     stores = 128
@@ -445,6 +448,8 @@ def test_a_reset_is_not_held_behind_other_clients_stores() -> None:
         storer = context.socket(zmq.DEALER)
         storer.setsockopt(zmq.LINGER, 0)
         storer.connect(daemon.control_endpoint)
+        if lead is not None:
+            storer.send_multipart([b"", msgpack.packb({"op": lead, "id": -1})])
         for n in range(stores):
             request = {
                 "op": "store",
@@ -457,7 +462,7 @@ def test_a_reset_is_not_held_behind_other_clients_stores() -> None:
         assert storer.poll(30_000)  # the worker has started on them
         with daemon.client() as client:
             client.reset(rank=1, force=True)
-            for _ in range(stores):
+            for _ in range(stores + (lead is not None)):
                 assert storer.poll(60_000)
                 storer.recv_multipart()
             assert client.stats().ranks[1].blocks_cached > 0

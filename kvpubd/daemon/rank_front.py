@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -121,14 +121,20 @@ def decode_ok(frame: zmq.Frame, reply_type: type[R]) -> R:
 # Ops a client with nothing on its way to a worker sends on the priority connection (see
 # rank_link): small, and what must not wait behind other clients' stores.
 PRIORITY_OPS = (Reset, Stats, Pause, Resume, Ping)
+# A client's requests on the priority connection at once; more wait here (see _send), so that
+# one client's flood of small ops cannot queue far ahead of another client's reset.
+PRIORITY_DEPTH = 8
 
 
 @dataclass
 class _Lane:
-    """The connection one client's requests to one worker are on, while any is on its way."""
+    """The connection one client's requests to one worker are on, while any is on its way,
+    and the requests of that client waiting here to go on the bulk one once those are
+    answered (link, body, the reply to resolve)."""
 
     priority: bool
     in_flight: int = 0
+    held: list[tuple[RankLink, bytes, Pending[zmq.Frame]]] = field(default_factory=list)
 
 
 @dataclass
@@ -161,6 +167,8 @@ class RankFront:
         # Open requests per rank, kept with _open: a reset's busy check must not walk them all.
         self._open_count: dict[int, int] = dict.fromkeys(self._ranks, 0)
         self._lanes: dict[tuple[Route, int], _Lane] = {}
+        # Requests (and their bytes) held in lanes, by rank: counted against the in-flight caps.
+        self._held: dict[int, list[int]] = {rank: [0, 0] for rank in self._ranks}
         self._route: Route | None = None  # of the request being handled (None: the service)
         self._priority = True  # it may go on the priority connection
         control = settings.control
@@ -236,6 +244,7 @@ class RankFront:
         return ok_reply(request.id, PingReply(__version__, self.epoch, len(self._ranks), endpoints))
 
     def _stats(self, request: Stats, owner: Owner | None, frame: bytes) -> Reply:
+        self._check_rooms()
         replies = self._to_all([(rank, _encoder.encode(Stats())) for rank in self._ranks])
 
         def merge(frames: list[zmq.Frame]) -> bytes:
@@ -247,6 +256,7 @@ class RankFront:
         return self._answer(request, replies.map(merge))
 
     def _pause(self, request: Pause | Resume, owner: Owner | None, frame: bytes) -> Reply:
+        self._check_rooms()
         body = _encoder.encode(Pause() if isinstance(request, Pause) else Resume())
         replies = self._to_all([(rank, body) for rank in self._ranks])  # all ranks, or none
         self.paused = isinstance(request, Pause)
@@ -448,20 +458,33 @@ class RankFront:
             raise CacheError("unavailable", f"rank {rank} is restarting: retry shortly")
         return link
 
-    @staticmethod
-    def _check_room(link: RankLink) -> None:
-        if link.in_flight >= MAX_IN_FLIGHT or link.bytes_in_flight >= MAX_BYTES_IN_FLIGHT:
+    def _check_room(self, link: RankLink) -> None:
+        held, held_bytes = self._held[link.rank]
+        requests, size = link.in_flight + held, link.bytes_in_flight + held_bytes
+        if requests >= MAX_IN_FLIGHT or size >= MAX_BYTES_IN_FLIGHT:
             raise CacheError(
                 "busy",
-                f"rank {link.rank} has {link.in_flight} requests "
-                f"({link.bytes_in_flight >> 20} MiB) in flight: read their replies first",
+                f"rank {link.rank} has {requests} requests ({size >> 20} MiB) in flight: "
+                "read their replies first",
             )
+
+    def _check_rooms(self) -> None:
+        """A client's op to every rank: refused ``busy`` where any rank is full."""
+        if self._route is not None:
+            for rank in self._ranks:
+                self._check_room(self._link(rank))
 
     def _send(self, link: RankLink, body: bytes) -> Pending[zmq.Frame]:
         """Send on the connection the current client's requests to this worker are on, if
         any is on its way (one client's requests are never reordered); else on the priority
         one for its small control ops, the bulk one for the rest. The service's own requests
-        (no client) go on the priority one."""
+        (no client) go on the priority one.
+
+        The priority connection carries nothing long nor deep: an op not of PRIORITY_OPS
+        (a store, say) behind the client's ops on it, or more than PRIORITY_DEPTH of them,
+        waits here until they are answered and then goes on the bulk one, with every later
+        request of the client. It once went on the priority connection, where another
+        client's reset waited behind a whole flood of stores."""
         route = self._route
         if route is None:
             return link.request(body, priority=True)
@@ -469,16 +492,42 @@ class RankFront:
         lane = self._lanes.get(key)
         if lane is None:
             lane = self._lanes[key] = _Lane(self._priority)
+        elif lane.held or (
+            lane.priority and (not self._priority or lane.in_flight >= PRIORITY_DEPTH)
+        ):
+            reply: Pending[zmq.Frame] = Pending()
+            lane.held.append((link, body, reply))
+            held = self._held[link.rank]
+            held[0] += 1
+            held[1] += len(body)
+            return reply
+        return self._request(key, lane, link, body)
+
+    def _request(
+        self, key: tuple[Route, int], lane: _Lane, link: RankLink, body: bytes
+    ) -> Pending[zmq.Frame]:
         lane.in_flight += 1
         reply = link.request(body, priority=lane.priority)
-
-        def done(_: object, __: BaseException | None) -> None:
-            lane.in_flight -= 1
-            if not lane.in_flight and self._lanes.get(key) is lane:
-                del self._lanes[key]
-
-        reply.then(done)
+        reply.then(lambda _, __: self._answered(key, lane))
         return reply
+
+    def _answered(self, key: tuple[Route, int], lane: _Lane) -> None:
+        """One of a lane's requests was answered: once none is on its way, the requests it
+        held go on the bulk connection, in order; or the lane is done."""
+        lane.in_flight -= 1
+        if lane.in_flight:
+            return
+        if not lane.held:
+            if self._lanes.get(key) is lane:
+                del self._lanes[key]
+            return
+        held, lane.held = lane.held, []
+        lane.priority = False
+        for link, body, reply in held:
+            counts = self._held[link.rank]
+            counts[0] -= 1
+            counts[1] -= len(body)
+            self._request(key, lane, link, body).then(_settles(reply))
 
     def _forward(self, link: RankLink, frame: bytes) -> Pending[bytes | memoryview]:
         return self._send(link, frame).map(_reply_bytes)
@@ -493,6 +542,19 @@ class RankFront:
     def _answer(self, request: Request, reply: Pending[Any]) -> Pending[bytes | memoryview]:
         """The reply to come, or the error reply for the way ``reply`` failed."""
         return settled_reply(request, reply)
+
+
+def _settles(reply: Pending[zmq.Frame]) -> Callable[[zmq.Frame | None, BaseException | None], None]:
+    """A callback that settles ``reply`` as the request it is called for was settled."""
+
+    def settle(value: zmq.Frame | None, error: BaseException | None) -> None:
+        if error is not None:
+            reply.fail(error)
+        else:
+            assert value is not None
+            reply.resolve(value)
+
+    return settle
 
 
 def decode_ok_raw(frame: zmq.Frame) -> list[msgspec.Raw]:
