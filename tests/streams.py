@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -332,3 +334,29 @@ def concurrent_replays(
             if dealer is not None:
                 dealer.close(linger=0)
         ctx.term()
+
+
+# A process that opens argv[2] connections to argv[1], sends argv[3] (hex) on each as one
+# frame after the empty one, and never reads.
+_ASKER = """
+import sys, zmq
+ctx = zmq.Context()
+socks = [ctx.socket(zmq.DEALER) for _ in range(int(sys.argv[2]))]
+for sock in socks:
+    sock.connect(sys.argv[1])
+    sock.send_multipart([b"", bytes.fromhex(sys.argv[3])])
+print("sent", flush=True)
+sys.stdin.read()
+"""
+
+
+def asking_process(endpoint: str, connections: int, request: bytes) -> subprocess.Popen[bytes]:
+    """Another process (one peer address) that asks ``request`` on each of ``connections``
+    DEALER connections to ``endpoint`` and never reads; returned once all are sent. Kill it."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _ASKER, endpoint, str(connections), request.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stdout.readline() == b"sent\n"
+    return process

@@ -19,7 +19,7 @@ from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import END_SEQ, pack_seq
 from tests.conftest import DaemonFactory
 from tests.daemon import Daemon
-from tests.streams import concurrent_replays, seq_of
+from tests.streams import asking_process, concurrent_replays, seq_of
 
 BATCHES = 5 * REPLAY_CHUNK + 17
 RING_STORES = 600
@@ -128,7 +128,7 @@ def test_a_peer_that_asks_again_and_again_holds_one_replay_slot(tmp_path: Path) 
     and another client is served at once. It once took them all: every other client was
     refused, heard nothing, and waited its whole replay timeout (the soak's follower, 30 s)."""
     context = zmq.Context()
-    publisher = local_publisher(context, tmp_path, buffer_steps=8 * REPLAY_CHUNK, max_replays=2)
+    publisher = local_publisher(context, tmp_path, buffer_steps=8 * REPLAY_CHUNK, max_replays=8)
     flood = context.socket(zmq.DEALER)
     flood.connect(publisher.replay_endpoint)
     reader = context.socket(zmq.DEALER)
@@ -147,6 +147,36 @@ def test_a_peer_that_asks_again_and_again_holds_one_replay_slot(tmp_path: Path) 
         assert transport.replays_refused == 0
     finally:
         flood.close(linger=0)
+        reader.close(linger=0)
+        publisher.close()
+        context.term()
+
+
+@pytest.mark.process
+def test_many_connections_of_one_process_hold_a_share_of_the_replay_slots(
+    tmp_path: Path,
+) -> None:
+    """One address (a host over tcp, a process over ipc) holds at most a quarter of
+    max_replays, however many connections it opens: another client is served. Ten
+    connections of one process once took all eight slots."""
+    context = zmq.Context()
+    publisher = local_publisher(context, tmp_path, buffer_steps=8 * REPLAY_CHUNK, max_replays=8)
+    transport = publisher.transport
+    flood = asking_process(publisher.replay_endpoint, 10, pack_seq(0))
+    reader = context.socket(zmq.DEALER)
+    reader.connect(publisher.replay_endpoint)
+    try:
+        for _ in range(4 * REPLAY_CHUNK):  # longer than one turn's share: still streaming
+            publisher.publish([])
+        while transport.replay_requests + transport.replays_refused < 10:
+            transport.handle_replay(slice_s=0)  # accepts only: nothing streamed
+        assert (transport.replays_in_progress, transport.replays_refused) == (2, 8)
+        reader.send_multipart([b"", pack_seq(0)])
+        assert replayed(publisher, reader) == list(range(4 * REPLAY_CHUNK))
+        assert transport.replays_refused == 8
+    finally:
+        flood.kill()
+        flood.wait()
         reader.close(linger=0)
         publisher.close()
         context.term()

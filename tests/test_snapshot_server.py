@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -21,6 +22,7 @@ from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.transports import zmq_snapshot
 from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint
 from kvpubd.protocol.snapshot_wire import UNAVAILABLE
+from tests.streams import asking_process
 
 PUBLISHER_ID = bytes(range(16))
 DEADLINE_S = 10.0
@@ -236,6 +238,32 @@ async def test_a_peer_that_asks_again_and_again_waits_in_one_place(
     assert seq_of((await reply_of(flood))[1:]) == 0  # its last request's answer
     await until(lambda: not endpoint._replies, "every reply sent")
     assert not flood.poll(0)  # and no other
+
+
+@pytest.mark.process
+async def test_many_connections_of_one_process_wait_in_a_share_of_the_places(
+    rig: Rig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One address (a host over tcp, a process over ipc) waits in at most a quarter of the
+    MAX_WAITING places, however many connections it opens: another client's request waits
+    and is answered. Ten connections of one process once took all eight places."""
+    monkeypatch.setattr(zmq_snapshot, "MAX_WAITING", 8)
+    endpoint = SnapshotEndpoint(rig.context, rig.history, rig.builds, f"ipc://{tmp_path}/snap")
+    endpoint.start()
+    flood = asking_process(endpoint.endpoint, 10, b"snapshot")
+    try:
+        sock = rig.context.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint.endpoint)
+        sock.send(b"snapshot")
+        await until(lambda: endpoint.requests + endpoint.ignored == 11, "every request")
+        assert (endpoint.requests, endpoint.ignored) == (3, 8)
+        rig.builds.jobs[0].result.set_result(snapshot_at(0))
+        assert seq_of(await reply_of(sock)) == 0
+    finally:
+        flood.kill()
+        flood.wait()
+        endpoint.close()
 
 
 async def test_a_message_of_thousands_of_frames_is_dropped_a_slice_per_turn(rig: Rig) -> None:

@@ -37,6 +37,22 @@ def new_context() -> zmq.Context[zmq.Socket[bytes]]:
 HANDSHAKE_IVL_MS = 10_000
 
 
+def peer_address(frame: zmq.Frame) -> str:
+    """Where a received message came from, as ZeroMQ tells: the IP address over tcp,
+    ``localhost:UID:GID:PID`` over ipc (the peer process), "" where it does not tell
+    (inproc: this process; no share applies)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return ""
+
+
+def address_share(limit: int) -> int:
+    """How much of a per-socket ``limit`` one peer address (host, or local process) may
+    hold: a quarter, so that many connections from one place cannot take it all."""
+    return max(1, limit // 4)
+
+
 def listener(
     sock: zmq.Socket[bytes], affinity: int, context: zmq.Context[zmq.Socket[bytes]]
 ) -> zmq.Socket[bytes]:

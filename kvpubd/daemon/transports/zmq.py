@@ -26,7 +26,9 @@ from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint
 from kvpubd.daemon.zmq_loop import (
     LIVE_AFFINITY,
     REPLAY_AFFINITY,
+    address_share,
     listener,
+    peer_address,
     readable,
     reader_fd,
 )
@@ -54,6 +56,7 @@ _send_frame = zmq.backend.Socket.send
 class _Replay:
     identity: bytes
     next_seq: int
+    address: str = ""  # the peer's (see zmq_loop.peer_address)
     # Set while the replay waits for a snapshot batch (its history is no longer retained).
     snapshot: asyncio.Future[SnapshotBatch] | None = None
     # The seq of the first batch published after it began to wait: the snapshot it waits for
@@ -92,6 +95,7 @@ class ZmqTransport:
         self._replays: deque[_Replay] = deque()  # streaming, round-robin
         self._waiting: list[_Replay] = []  # waiting for a snapshot batch
         self._by_peer: dict[bytes, _Replay] = {}  # each replay in progress, by its peer
+        self._by_address: dict[str, int] = {}  # replays in progress by peer address
         self._pump_scheduled = False
         self._replay_fd: int | None = None
         self.snapshot_server: SnapshotEndpoint | None = None
@@ -228,7 +232,8 @@ class ZmqTransport:
             # Reading EVENTS after our own sends re-arms the socket's edge-triggered FD.
             if not readable(sock):
                 break
-            self._accept(sock.recv_multipart(zmq.NOBLOCK))
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            self._accept([frame.bytes for frame in frames], peer_address(frames[0]))
         while self._replays and time.perf_counter() < deadline:
             replay = self._replays.popleft()
             if not self._stream(sock, replay, REPLAY_CHUNK):
@@ -238,7 +243,7 @@ class ZmqTransport:
         more_requests = readable(sock)
         return bool(self._replays) or more_requests
 
-    def _accept(self, frames: list[bytes]) -> None:
+    def _accept(self, frames: list[bytes], address: str = "") -> None:
         # [identity, b"", start_seq]: what a REQ sends (a DEALER sends [b"", start_seq]).
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             log.debug(
@@ -251,15 +256,21 @@ class ZmqTransport:
         # one peer never holds more than one of the max_replays slots. One that asked over
         # and over, never reading, held them all, and refused everyone else's.
         self._drop_replay_of(identity)
-        if self.replays_in_progress >= self.max_replays:
+        # Nor does one address (host, or local process) hold more than its share of them,
+        # however many connections it opens.
+        share = address_share(self.max_replays)
+        if self.replays_in_progress >= self.max_replays or (
+            address and self._by_address.get(address, 0) >= share
+        ):
             # No reply: the client times out and asks again once the others are served.
             self.replays_refused += 1
-            log.debug("rank %d: %d replays in progress, one refused", self.rank, self.max_replays)
+            log.debug("rank %d: replay from %s refused: no slot free", self.rank, address)
             return
         self.replay_requests += 1
-        replay = _Replay(identity, int.from_bytes(frames[2], "big"))
+        replay = _Replay(identity, int.from_bytes(frames[2], "big"), address)
         log.debug("rank %d: replay from seq %d", self.rank, replay.next_seq)
         self._by_peer[identity] = replay
+        self._by_address[address] = self._by_address.get(address, 0) + 1
         self.history.hold(replay)
         if not self._wait_for_snapshot(replay):
             self._replays.append(replay)
@@ -280,6 +291,9 @@ class ZmqTransport:
         self.history.release(replay)
         if self._by_peer.get(replay.identity) is replay:
             del self._by_peer[replay.identity]
+        held = self._by_address.pop(replay.address) - 1
+        if held:
+            self._by_address[replay.address] = held
 
     def _wait_for_snapshot(self, replay: _Replay) -> bool:
         """Park a replay whose start the ring no longer holds until a snapshot batch of the

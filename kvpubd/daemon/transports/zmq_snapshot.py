@@ -21,14 +21,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import zmq
 
 from kvpubd.daemon.history import History, Snapshots
 from kvpubd.daemon.snapshot import Snapshot
-from kvpubd.daemon.zmq_loop import REPLAY_AFFINITY, listener, readable, reader_fd
+from kvpubd.daemon.zmq_loop import (
+    REPLAY_AFFINITY,
+    address_share,
+    listener,
+    peer_address,
+    readable,
+    reader_fd,
+)
 from kvpubd.protocol.snapshot_wire import (
     NOTHING_PUBLISHED,
     SNAPSHOT_REQUEST,
@@ -80,8 +87,10 @@ class SnapshotEndpoint:
         self.unavailable = 0  # answered -2
         self.ignored = 0  # malformed, or beyond MAX_WAITING
         # By the peer's identity (one request each: a new one replaces the peer's last),
-        # (envelope: the request's frames but its last, the last seq published when it asked).
-        self._waiting: dict[bytes, tuple[tuple[bytes, ...], int]] = {}
+        # (envelope: the request's frames but its last, the last seq published when it asked,
+        # the peer's address); and how many wait per address (see zmq_loop.address_share).
+        self._waiting: dict[bytes, tuple[tuple[bytes, ...], int, str]] = {}
+        self._waiting_at: dict[str, int] = {}
         self._job: asyncio.Future[Snapshot] | None = None  # the build the waiting wait for
         self._replies: deque[_Reply] = deque()
         self._in_flight: list[tuple[zmq.MessageTracker, Snapshot]] = []
@@ -118,6 +127,7 @@ class SnapshotEndpoint:
             self.socket.close()
             self.socket = None
         self._waiting.clear()
+        self._waiting_at.clear()
         self._replies.clear()
         self._in_flight.clear()
 
@@ -148,15 +158,16 @@ class SnapshotEndpoint:
                 continue
             if not readable(sock):
                 return
-            frames: list[bytes] = []
-            while len(frames) <= MAX_REQUEST_FRAMES:  # one frame more than a request has
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+            frames: list[bytes] = [first.bytes]
+            budget -= 1
+            while sock.getsockopt(zmq.RCVMORE):
+                if len(frames) > MAX_REQUEST_FRAMES:  # longer than any request: the rest is
+                    self._discarding = True  # read and dropped, a slice a turn
+                    break
                 frames.append(sock.recv(zmq.NOBLOCK))
                 budget -= 1
-                if not sock.getsockopt(zmq.RCVMORE):
-                    break
-            else:  # longer than any request: the rest is read and dropped, a slice a turn
-                self._discarding = True
-            self._take(frames)
+            self._take(frames, peer_address(first))
 
     def _discard(self, sock: zmq.Socket[bytes], budget: int) -> int:
         read = 0
@@ -166,7 +177,7 @@ class SnapshotEndpoint:
             self._discarding = bool(sock.getsockopt(zmq.RCVMORE))
         return read
 
-    def _take(self, frames: list[bytes]) -> None:
+    def _take(self, frames: list[bytes], address: str = "") -> None:
         # An envelope's frames before the empty one are ids, never empty themselves.
         if (
             not 3 <= len(frames) <= MAX_REQUEST_FRAMES
@@ -179,12 +190,18 @@ class SnapshotEndpoint:
         # A peer asks again only once it gave up on its answer (a REQ cannot do otherwise):
         # its new request replaces the one waiting, so one peer asking over and over without
         # reading holds one place, not all MAX_WAITING (everyone else's requests ignored).
+        # Nor does one address (host, or local process) hold more than its share of places,
+        # however many connections it opens.
         peer = frames[0]
-        if len(self._waiting) >= MAX_WAITING and peer not in self._waiting:
-            self.ignored += 1
-            return
+        if peer not in self._waiting:
+            if len(self._waiting) >= MAX_WAITING or (
+                address and self._waiting_at.get(address, 0) >= address_share(MAX_WAITING)
+            ):
+                self.ignored += 1
+                return
+            self._waiting_at[address] = self._waiting_at.get(address, 0) + 1
         self.requests += 1
-        self._waiting[peer] = (tuple(frames[:-1]), self.history.last_seq)
+        self._waiting[peer] = (tuple(frames[:-1]), self.history.last_seq, address)
 
     def _dispatch(self) -> None:
         """Answer the waiting requests that the current snapshot reaches; start (or wait
@@ -207,15 +224,16 @@ class SnapshotEndpoint:
 
     def _answer(self, job: asyncio.Future[Snapshot]) -> None:
         if job.cancelled() or job.exception() is not None:
-            waiting, self._waiting = self._waiting, {}
-            for envelope, _ in waiting.values():
+            waiting, self._waiting, self._waiting_at = self._waiting, {}, {}
+            for envelope, _, _ in waiting.values():
                 self._queue_unavailable(envelope)
             return
         snapshot = job.result()
         if snapshot.freed:  # retired before we got to it: the waiting wait for a newer build
             return
-        answered = [envelope for envelope, seen in self._waiting.values() if seen <= snapshot.seq]
+        answered = [w[0] for w in self._waiting.values() if w[1] <= snapshot.seq]
         self._waiting = {p: w for p, w in self._waiting.items() if w[1] > snapshot.seq}
+        self._waiting_at = dict(Counter(w[2] for w in self._waiting.values()))
         # (A run that serves snapshots never numbers past MAX_SIGNED_SEQ.)
         if not answered or snapshot.seq > MAX_SIGNED_SEQ or not self._may_pin(snapshot):
             for envelope in answered:
