@@ -49,6 +49,32 @@ def many_fds() -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+# A process that opens argv[2] connections to the Unix socket argv[1] (none greets; those
+# refused fail at once) and holds them until killed.
+_CONNECTER = """
+import socket, sys
+held = []
+for _ in range(int(sys.argv[2])):
+    conn = socket.socket(socket.AF_UNIX)
+    conn.setblocking(False)
+    conn.connect_ex(sys.argv[1])
+    held.append(conn)
+print("connected", flush=True)
+sys.stdin.read()
+"""
+
+
+def connecting_process(path: str, count: int) -> subprocess.Popen[bytes]:
+    """Another process (one peer) holding ``count`` connections to ``path``; kill it."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _CONNECTER, path, str(count)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stdout.readline() == b"connected\n"
+    return process
+
+
 def low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (DAEMON_FDS, DAEMON_FDS))
 
@@ -106,6 +132,9 @@ def test_idle_connection_flood_neither_stops_the_daemon_nor_holds_back_a_reset(
         for i in range(FLOOD):
             conn = socket.socket()
             conn.setblocking(False)  # the kernel completes what it admits; no waiting here
+            # From 16 loopback addresses: 16 peers, so that together they reach the caps
+            # (one peer holds at most a quarter of a listener's).
+            conn.bind((f"127.0.0.{2 + i % 16}", 0))
             conn.connect_ex(("127.0.0.1", (events, replay, metrics)[i % 3]))
             flood.append(conn)
         # The caps took effect (each listener logs when it stops admitting).
@@ -157,7 +186,7 @@ def test_ipc_connection_flood_is_held_to_the_cap_and_the_daemon_lives(many_fds: 
     hung up, and at the cap the socket file is renamed aside so that new ones fail at once.
     Once the flood is gone the listener takes connections again and answers a reset."""
     daemon = Daemon()
-    flood: list[socket.socket] = []
+    flood: list[subprocess.Popen[bytes]] = []
     try:
         daemon.start(preexec_fn=low_fd_limit)
         assert daemon.proc is not None
@@ -167,22 +196,67 @@ def test_ipc_connection_flood_is_held_to_the_cap_and_the_daemon_lives(many_fds: 
         path = daemon.control_endpoint.removeprefix("ipc://")
         wave = 2 * cap  # past the cap, well within the fds the daemon keeps in reserve
         for _ in range(FLOOD // wave):
-            for _ in range(wave):
-                conn = socket.socket(socket.AF_UNIX)
-                conn.setblocking(False)
-                conn.connect_ex(path)  # fails (ENOENT) while the cap holds
-                flood.append(conn)
+            # From 8 processes: 8 peers, so that together they reach the cap (one process
+            # holds at most a quarter of it).
+            for _ in range(8):
+                flood.append(connecting_process(path, wave // 8))
             wait_for(
                 lambda: len(os.listdir(fds)) <= baseline + cap,
                 what=f"the daemon to hold at most {cap} flood connections",
             )
         assert "the cap; refusing new ones" in daemon.log()
         assert daemon.alive(), daemon.log()[-3000:]
-        for conn in flood:
-            conn.close()
+        for process in flood:
+            process.kill()
+            process.wait()
         wait_for(lambda: "accepting again" in daemon.log(), what="the cap to lift")
         with daemon.client() as client:
             client.reset(force=True)
+        assert daemon.alive()
+    finally:
+        for process in flood:
+            process.kill()
+            process.wait()
+        stop_alive(daemon)
+
+
+@pytest.mark.process
+def test_one_process_holding_connections_leaves_the_control_socket_to_others(
+    many_fds: None,
+) -> None:
+    """This process opens as many connections to the control socket as the cap (a client
+    leaking them, or one locking others out). They once filled the cap alone: the listener
+    closed, and a reset from any other process failed until they went. Now one process holds
+    a quarter of the cap, the rest are hung up, and another process's reset is answered
+    while they are held."""
+    daemon = Daemon()
+    flood: list[socket.socket] = []
+    try:
+        daemon.start(preexec_fn=low_fd_limit)
+        assert daemon.proc is not None
+        fds = Path(f"/proc/{daemon.proc.pid}/fd")
+        cap = int(re.search(r"at most (\d+) per listener", daemon.log()).group(1))  # type: ignore[union-attr]
+        baseline = len(os.listdir(fds))
+        path = daemon.control_endpoint.removeprefix("ipc://")
+        for _ in range(cap):
+            conn = socket.socket(socket.AF_UNIX)
+            conn.setblocking(False)
+            conn.connect_ex(path)
+            flood.append(conn)
+        wait_for(
+            lambda: len(os.listdir(fds)) >= baseline + cap // 4,
+            what="the daemon to accept the flood",
+        )
+        # Within the handshake timeout (10 s), after which the daemon drops them all anyway.
+        reset = subprocess.run(
+            [sys.executable, "-m", "kvpubd", "reset", "--force", "--timeout", "6"],
+            env={**os.environ, "KVPUBD_CONTROL__ENDPOINT": daemon.control_endpoint},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert reset.returncode == 0, reset.stderr
+        assert "its share; hung up" in daemon.log()
         assert daemon.alive()
     finally:
         for conn in flood:

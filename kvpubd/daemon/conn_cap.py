@@ -71,6 +71,14 @@ class ConnectionCap:
         self.cap = max(1, cap)
         self.name = name
         self.connections = 0
+        # One peer (a host over tcp, a process over ipc) holds at most ``share`` of them: a
+        # client that leaks connections, or opens them to lock others out, reached the cap
+        # alone and closed the listener to everyone (the control socket deaf to resets).
+        self.share = max(1, self.cap // 4)
+        self._peers: dict[str, int] = {}  # connections counted per peer
+        self._peer_of: dict[int, str] = {}  # by fd, the counted connections' peers
+        self._shed: set[int] = set()  # hung up for their peer's share, not counted
+        self.shed = 0
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._first_drain: asyncio.Handle | None = None
@@ -110,8 +118,11 @@ class ConnectionCap:
             message = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             event = message["event"]
             if event == zmq.EVENT_ACCEPTED:
+                fd = message["value"]
                 if self.observer is not None:  # before a hang-up, which it then hears of
-                    self.observer.accepted(message["value"])
+                    self.observer.accepted(fd)
+                if self._over_share(fd):
+                    continue
                 self.connections += 1
                 if self.connections >= self.cap and not self.gate.closed:
                     self._pause()  # at once, not after the rest of the burst is counted
@@ -121,13 +132,45 @@ class ConnectionCap:
                     # timeout later.
                     self.gate.hang_up(message["value"])
             elif event == zmq.EVENT_DISCONNECTED:
+                fd = message["value"]
                 if self.observer is not None:
-                    self.observer.disconnected(message["value"])
+                    self.observer.disconnected(fd)
+                if fd in self._shed:
+                    self._shed.discard(fd)
+                    continue
+                peer = self._peer_of.pop(fd, None)
+                if peer is not None:
+                    left = self._peers.pop(peer) - 1
+                    if left:
+                        self._peers[peer] = left
                 # Peers accepted before the monitor existed are not counted: never below 0.
                 self.connections = max(0, self.connections - 1)
         if self.gate.closed and self.connections <= self.cap * 3 // 4:
             self.gate.open()
             log.info("%s: %d connections; accepting again", self.name, self.connections)
+
+    def _over_share(self, fd: int) -> bool:
+        """Count connection ``fd`` for its peer, or hang it up if the peer holds its share
+        (True: not counted)."""
+        peer = self.gate.peer(fd)
+        if peer is None:
+            return False
+        held = self._peers.get(peer, 0)
+        if held >= self.share and self.gate.hang_up(fd):
+            self._shed.add(fd)
+            self.shed += 1
+            if self.shed & (self.shed - 1) == 0:  # the 1st, 2nd, 4th, ... : no log flood
+                log.warning(
+                    "%s: %s holds %d connections, its share; hung up another (%d so far)",
+                    self.name,
+                    peer,
+                    held,
+                    self.shed,
+                )
+            return True
+        self._peers[peer] = held + 1
+        self._peer_of[fd] = peer
+        return False
 
     def _pause(self) -> None:
         try:
@@ -170,6 +213,16 @@ class IpcListener:
         """Shut down the connection libzmq accepted as ``fd`` (see ``_hang_up``)."""
         return _hang_up(fd, (socket.AF_UNIX,), self._names_me)
 
+    def peer(self, fd: int) -> str | None:
+        """The process at the other end of connection ``fd`` (None if it cannot tell)."""
+
+        def credentials(sock: socket.socket) -> str:
+            size = struct.calcsize("3i")
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, _PEERCRED, size))
+            return f"process {pid} (uid {uid})"
+
+        return _peer(fd, (socket.AF_UNIX,), self._names_me, credentials)
+
     def _names_me(self, sock: socket.socket) -> bool:
         name = sock.getsockname()
         return (name.decode(errors="replace") if isinstance(name, bytes) else name) == self.name
@@ -207,7 +260,14 @@ class ListenerGate:
 
     def hang_up(self, fd: int) -> bool:
         """Shut down the connection libzmq accepted as ``fd`` (see ``_hang_up``)."""
-        return _hang_up(fd, _INET, lambda sock: sock.getsockname()[1] == self.port)
+        return _hang_up(fd, _INET, self._names_me)
+
+    def peer(self, fd: int) -> str | None:
+        """The host at the other end of connection ``fd`` (None if it cannot tell)."""
+        return _peer(fd, _INET, self._names_me, lambda sock: f"host {sock.getpeername()[0]}")
+
+    def _names_me(self, sock: socket.socket) -> bool:
+        return bool(sock.getsockname()[1] == self.port)
 
     def close(self) -> None:
         self._setsockopt(SO_ATTACH_FILTER, _DROP_ALL_PROGRAM)
@@ -256,6 +316,33 @@ def _hang_up(fd: int, families: tuple[int, ...], is_ours: Callable[[socket.socke
         return True
     except OSError:
         return False
+    finally:
+        sock.detach()
+
+
+_PEERCRED = getattr(socket, "SO_PEERCRED", 17)  # Linux
+
+
+def _peer(
+    fd: int,
+    families: tuple[int, ...],
+    is_ours: Callable[[socket.socket], bool],
+    name: Callable[[socket.socket], str],
+) -> str | None:
+    """``name`` of connection ``fd``'s peer, checked as ``_hang_up`` checks it first; None
+    where it is not such a connection (any more) or the peer cannot be told."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.family not in families or sock.type != socket.SOCK_STREAM:
+            return None
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) or not is_ours(sock):
+            return None
+        return name(sock)
+    except OSError:
+        return None
     finally:
         sock.detach()
 
