@@ -5,23 +5,28 @@ freed are checksummed as zeros (scrubbed first), like any free block."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import msgpack
 import numpy as np
 
+from kvpubd.daemon.turns import next_slice
+
 
 async def checksum_reply(head: bytes, count: int, steps: Iterator[np.ndarray | None]) -> bytes:
     """The reply: ``head`` (the encoded reply up to its ``checksums`` array, see
     ``control.ok_reply_head``), then the ``count`` sums the steps yield, one step per loop
-    turn."""
+    turn in its turn (turns.py)."""
     packer = msgpack.Packer(use_bin_type=True)
     parts = [head, packer.pack_array_header(count)]
-    for sums in steps:
+    while True:
+        await next_slice()  # before the step: a step is the work
+        try:
+            sums = next(steps)
+        except StopIteration:
+            break
         if sums is not None:
             parts.append(_array_items(packer, sums.tolist()))
-        await asyncio.sleep(0)
     return b"".join(parts)
 
 

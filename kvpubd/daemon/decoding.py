@@ -4,20 +4,20 @@ naming the field and the item."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
 from kvpubd.daemon.cache import CacheError
+from kvpubd.daemon.turns import next_slice
 from kvpubd.protocol.hashing import MAX_TOKEN_ID, TOKEN_DTYPE
 from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray, IntArrayDecoder
 
 
 async def decode_in_slices(decoder: IntArrayDecoder) -> np.ndarray:
-    """Every item, ``DECODE_SLICE`` per loop turn."""
-    while not _decode_some(decoder):
-        await asyncio.sleep(0)
-    return decoder.result
+    """Every item, ``DECODE_SLICE`` at a time, each slice in its turn (turns.py)."""
+    while True:
+        await next_slice()
+        if _decode_some(decoder):
+            return decoder.result
 
 
 def decode_tokens(tokens: IntArray) -> np.ndarray:

@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 
 from kvpubd.daemon.published import FrozenView, PublishedRecord
+from kvpubd.daemon.turns import next_slice
 from kvpubd.protocol.wire import (
     AllBlocksCleared,
     BatchEncoder,
@@ -112,8 +113,9 @@ Buffer = memoryview  # a large message, sent without a copy
 
 
 async def assemble(parts: Sequence[bytes | memoryview]) -> Buffer:
-    """The parts joined into one buffer, about ASSEMBLY_STEP bytes copied per loop turn (a
-    snapshot's message can be hundreds of megabytes: one join would hold the loop)."""
+    """The parts joined into one buffer, about ASSEMBLY_STEP bytes copied at a time, each in
+    its turn (turns.py; a snapshot's message can be hundreds of megabytes: one join would
+    hold the loop)."""
     # Uninitialised memory (a zero-filled bytearray of this size costs a memset in one go).
     out = np.empty(sum(len(part) for part in parts), dtype=np.uint8).data
     offset = copied = 0
@@ -123,7 +125,7 @@ async def assemble(parts: Sequence[bytes | memoryview]) -> Buffer:
         copied += len(part)
         if copied >= ASSEMBLY_STEP:
             copied = 0
-            await asyncio.sleep(0)
+            await next_slice()
     return out
 
 

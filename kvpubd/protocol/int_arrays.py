@@ -96,6 +96,11 @@ class IntArrayDecoder:
         self._done = 0
         self.result = np.empty(array.count, dtype=np.int64)
 
+    @property
+    def decoded(self) -> int:
+        """Items decoded so far."""
+        return self._done
+
     def decode_some(self, limit: int) -> bool:
         """Decode up to ``limit`` more items; True once all are."""
         array = self._array

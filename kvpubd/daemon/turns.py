@@ -1,0 +1,58 @@
+"""Work done a slice per loop turn for one client's request (a long id list decoded, a
+checksum, a snapshot put together as one message) takes turns with all other such work: one
+slice in all per loop turn, round robin.
+
+Each job's slice is bounded, but with a slice per job per turn a turn grew with the number of
+clients asking at once, and a reset waits for the turn it arrives in: eight clients' checksums
+of 200k blocks each held resets to p50 3.5 ms, p90 6.0 ms (0.5 and 0.7 ms idle; dev VM).
+Work of which there is one per rank (its store queue, its snapshot build, the reaper) keeps
+its own slice per turn."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class TurnShare:
+    """The jobs of one event loop waiting for their next slice, let go one per loop turn."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._scheduled = False
+
+    async def turn(self) -> None:
+        future = self._loop.create_future()
+        self._waiting.append(future)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._release)
+        await future
+
+    def _release(self) -> None:
+        # The job let go runs in the next turn; so does this, which lets the next one go.
+        self._scheduled = False
+        waiting = self._waiting
+        while waiting:
+            future = waiting.popleft()
+            if not future.done():  # a cancelled job's is
+                future.set_result(None)
+                break
+        if waiting:
+            self._scheduled = True
+            self._loop.call_soon(self._release)
+        elif _shares.get(self._loop) is self:
+            del _shares[self._loop]  # nothing waits: a loop that closes leaves nothing here
+
+
+_shares: dict[asyncio.AbstractEventLoop, TurnShare] = {}
+
+
+async def next_slice() -> None:
+    """Wait for this job's turn to do its next slice of work for a client's request."""
+    loop = asyncio.get_running_loop()
+    share = _shares.get(loop)
+    if share is None:
+        share = _shares[loop] = TurnShare(loop)
+    await share.turn()

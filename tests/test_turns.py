@@ -1,0 +1,57 @@
+"""Work for clients' requests done a slice per loop turn takes turns (kvpubd.daemon.turns):
+one slice in all per turn however many requests are under way, so the turn a reset arrives in
+does not grow with them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import msgspec
+import numpy as np
+
+from kvpubd.daemon.decoding import decode_in_slices
+from kvpubd.protocol.int_arrays import DECODE_SLICE, IntArray, IntArrayDecoder, located
+
+JOBS = 4
+ITEMS = 3 * DECODE_SLICE
+
+
+def id_list(count: int) -> IntArrayDecoder:
+    array = located(msgspec.Raw(msgpack.packb(list(range(count)))))
+    assert isinstance(array, IntArray)
+    return array.decoder("block_ids", 0, count)
+
+
+async def test_concurrent_requests_decode_one_slice_per_loop_turn_in_all() -> None:
+    """Four requests' id lists decoded at once: each loop turn decodes one slice of one of
+    them, round robin, and every list comes out whole. With a slice per request per turn,
+    a turn decoded four."""
+    loop = asyncio.get_running_loop()
+    decoders = [id_list(ITEMS) for _ in range(JOBS)]
+    per_turn: list[int] = []
+    last = 0
+
+    def tick() -> None:  # once per loop turn: what was decoded since the last
+        nonlocal last
+        now = sum(d.decoded for d in decoders)
+        per_turn.append(now - last)
+        last = now
+        if now < JOBS * ITEMS:
+            loop.call_soon(tick)
+
+    loop.call_soon(tick)
+    results = await asyncio.gather(*(decode_in_slices(d) for d in decoders))
+    assert all(np.array_equal(r, np.arange(ITEMS)) for r in results)
+    assert sum(per_turn) == JOBS * ITEMS
+    assert max(per_turn) == DECODE_SLICE
+
+
+async def test_a_cancelled_request_leaves_its_turn_to_the_others() -> None:
+    decoders = [id_list(ITEMS) for _ in range(2)]
+    gone = asyncio.ensure_future(decode_in_slices(decoders[0]))
+    kept = asyncio.ensure_future(decode_in_slices(decoders[1]))
+    await asyncio.sleep(0)
+    gone.cancel()
+    assert np.array_equal(await kept, np.arange(ITEMS))
+    assert gone.cancelled()
