@@ -11,23 +11,25 @@ its own slice per turn."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import deque
 
 
 class TurnShare:
     """The jobs of one event loop waiting for their next slice, let go one per loop turn."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:
+        # (No reference to its loop: the loop's entry in _shares must not keep it alive.)
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._scheduled = False
 
     async def turn(self) -> None:
-        future = self._loop.create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._waiting.append(future)
         if not self._scheduled:
             self._scheduled = True
-            self._loop.call_soon(self._release)
+            loop.call_soon(self._release)
         await future
 
     def _release(self) -> None:
@@ -41,12 +43,13 @@ class TurnShare:
                 break
         if waiting:
             self._scheduled = True
-            self._loop.call_soon(self._release)
-        elif _shares.get(self._loop) is self:
-            del _shares[self._loop]  # nothing waits: a loop that closes leaves nothing here
+            asyncio.get_running_loop().call_soon(self._release)
 
 
-_shares: dict[asyncio.AbstractEventLoop, TurnShare] = {}
+# One per running loop (the tests run a daemon's loop per thread); gone with its loop.
+_shares: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TurnShare] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def next_slice() -> None:
@@ -54,5 +57,5 @@ async def next_slice() -> None:
     loop = asyncio.get_running_loop()
     share = _shares.get(loop)
     if share is None:
-        share = _shares[loop] = TurnShare(loop)
+        share = _shares[loop] = TurnShare()
     await share.turn()
