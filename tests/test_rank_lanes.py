@@ -1,0 +1,145 @@
+"""Which connection to a rank's worker the service of rank processes puts each client's
+requests on (rank_front): seen at a stand-in worker, a real ROUTER that notes the connection
+each request came on and answers when the test says. Small control ops go on the priority
+connection, where a reset of any client is read next; nothing long nor deep goes there."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvpubd.daemon import rank_front
+from kvpubd.daemon.hooks import NullMetrics
+from kvpubd.daemon.rank_front import PRIORITY_DEPTH, RankFront
+from kvpubd.daemon.rank_link import RankLink
+from kvpubd.daemon.settings import Settings
+from kvpubd.protocol.control_frames import parse_request
+
+DEADLINE_S = 10.0
+
+
+@dataclass
+class Worker:
+    """A stand-in rank worker: the requests it got, by connection, unanswered till told."""
+
+    sock: zmq.Socket[bytes]
+    lanes: dict[bytes, str] = field(default_factory=dict)  # routing id -> "bulk"/"priority"
+    got: list[tuple[str, dict[str, Any], list[bytes]]] = field(default_factory=list)
+
+    def read(self) -> None:
+        while self.sock.poll(0):
+            identity, correlation, empty, body = self.sock.recv_multipart()
+            request = msgpack.unpackb(body)
+            if identity not in self.lanes:  # the link's own probe, naming its connection
+                self.lanes[identity] = request["lane"]
+            self.got.append((self.lanes[identity], request, [identity, correlation, empty]))
+
+    def holds(self, count: int) -> bool:
+        """Whether ``count`` requests (or more) are here, once what came is read."""
+        self.read()
+        return len(self.got) >= count
+
+    def on(self, lane: str) -> list[str]:
+        return [r.get("op", "?") for which, r, _ in self.got if which == lane]
+
+    def answer_all(self) -> None:
+        for _, request, envelope in self.got:
+            reply = {"ok": True, "id": 0, "ranks": [], "epoch": 1, "paused": False}
+            if request.get("op") == "store":
+                reply = {"ok": True, "id": 0, "rank": 0, "block_ids": [], "cached_tokens": 0}
+            self.sock.send_multipart([*envelope, msgpack.packb(reply)])
+        self.got.clear()
+
+
+@dataclass
+class Rig:
+    front: RankFront
+    worker: Worker
+
+    def send(self, route: bytes, request: dict[str, Any]) -> None:
+        frame = msgpack.packb(request)
+        self.front.handle(parse_request(frame, 1 << 30, 1 << 30), None, frame, (route,))
+
+
+async def until(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind("inproc://worker")
+    worker = Worker(router)
+    link = RankLink(context, "inproc://worker", 0)
+    link.start()
+    # One request on each connection names it to the worker (answered: nothing in flight).
+    for lane, priority in (("bulk", False), ("priority", True)):
+        link.request(msgpack.packb({"lane": lane}), priority=priority)
+    await until(lambda: worker.holds(2), "both connections")
+    worker.answer_all()
+    await until(lambda: link.in_flight == 0, "the probes' replies")
+    front = RankFront(Settings(), lambda rank: link, NullMetrics(), epoch=1)
+    try:
+        yield Rig(front, worker)
+    finally:
+        link.close("test over")
+        context.destroy(linger=0)
+
+
+def store(n: int) -> dict[str, Any]:
+    return {"op": "store", "id": n, "request_id": f"r{n}", "token_ids": list(range(16))}
+
+
+async def test_stores_behind_a_clients_unanswered_stats_wait_and_go_on_the_bulk_connection(
+    rig: Rig,
+) -> None:
+    """They once followed the stats onto the priority connection, and another client's reset
+    read there waited behind every one of them."""
+    rig.send(b"engine", {"op": "stats", "id": 1})
+    for n in range(3):
+        rig.send(b"engine", store(n))
+    rig.send(b"other", {"op": "reset", "id": 9, "force": True})
+    await until(lambda: rig.worker.holds(2), "stats and reset")
+    assert rig.worker.on("priority") == ["stats", "reset"]
+    assert rig.worker.on("bulk") == []
+    rig.worker.answer_all()  # the stats answered: the stores go, in order, on the bulk one
+    await until(lambda: rig.worker.holds(3), "the stores")
+    assert rig.worker.on("bulk") == ["store"] * 3
+    assert [r["request_id"] for _, r, _ in rig.worker.got] == ["r0", "r1", "r2"]
+
+
+async def test_a_flood_of_small_ops_puts_at_most_priority_depth_on_the_priority_connection(
+    rig: Rig,
+) -> None:
+    for n in range(3 * PRIORITY_DEPTH):
+        rig.send(b"flood", {"op": "stats", "id": n})
+    await until(lambda: rig.worker.holds(PRIORITY_DEPTH), "stats")
+    assert rig.worker.on("priority") == ["stats"] * PRIORITY_DEPTH
+    rig.worker.answer_all()
+    await until(lambda: rig.worker.holds(2 * PRIORITY_DEPTH), "rest")
+    assert rig.worker.on("bulk") == ["stats"] * (2 * PRIORITY_DEPTH)
+
+
+async def test_what_waits_in_the_service_counts_against_the_in_flight_cap(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rank_front, "MAX_IN_FLIGHT", 2 * PRIORITY_DEPTH)
+    replies = []
+    for n in range(3 * PRIORITY_DEPTH):
+        frame = msgpack.packb({"op": "stats", "id": n})
+        request = parse_request(frame, 1 << 30, 1 << 30)
+        replies.append(rig.front.handle(request, None, frame, (b"flood",)))
+    refused = [r for r in replies if isinstance(r, bytes) and b"busy" in r]
+    assert len(refused) == PRIORITY_DEPTH  # 8 sent, 8 waiting here, the rest refused
