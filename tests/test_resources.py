@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -257,6 +258,52 @@ def test_one_process_holding_connections_leaves_the_control_socket_to_others(
         )
         assert reset.returncode == 0, reset.stderr
         assert "its share; hung up" in daemon.log()
+        assert daemon.alive()
+    finally:
+        for conn in flood:
+            conn.close()
+        stop_alive(daemon)
+
+
+@pytest.mark.process
+def test_one_host_holding_metrics_connections_leaves_healthz_to_others(many_fds: None) -> None:
+    """One host (127.0.0.2) opens more idle connections to the metrics port than its cap.
+    They once filled it alone, and /healthz, a liveness probe, failed for everyone else
+    until they timed out. Now one host holds a quarter of the cap, and /healthz from
+    another is answered."""
+    port = free_tcp_ports(1)[0]
+    daemon = Daemon({"metrics": {"port": port}})
+    flood: list[socket.socket] = []
+    try:
+        daemon.start(preexec_fn=low_fd_limit)
+        assert daemon.proc is not None
+        fds = Path(f"/proc/{daemon.proc.pid}/fd")
+        cap = int(re.search(r"at most (\d+) per listener", daemon.log()).group(1))  # type: ignore[union-attr]
+        baseline = len(os.listdir(fds))
+
+        def closed(conn: socket.socket) -> bool:
+            try:
+                conn.recv(1)
+            except BlockingIOError:
+                return False  # held open
+            except OSError:
+                pass
+            return True
+
+        held = 0
+        for _ in range(cap + 1):  # one at a time: each held (an fd more) or refused (closed)
+            conn = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.2", 0))
+            conn.setblocking(False)
+            flood.append(conn)
+            wait_for(
+                lambda: len(os.listdir(fds)) == baseline + held + 1 or closed(conn),  # noqa: B023
+                what="the daemon to hold or refuse a connection",
+            )
+            held += not closed(conn)
+        assert held == cap // 4
+        # Within the request timeout (5 s), after which the daemon drops them anyway.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=4) as health:
+            assert health.status == 200
         assert daemon.alive()
     finally:
         for conn in flood:

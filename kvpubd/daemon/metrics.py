@@ -50,8 +50,14 @@ RESET_BUCKETS = (
 HTTP_LIMIT = 16 * 1024  # bytes of request line and headers a scrape may send
 HTTP_TIMEOUT_S = 5.0  # a client that sends no complete request in this time is dropped
 HTTP_BACKLOG = 16  # connections the kernel queues before we accept (and count) them
-# Connections served at once (the daemon lowers it to its fd budget); more are closed at once.
+# Connections served at once (the daemon sets it to its per-listener cap); more are closed at once.
 HTTP_MAX_CONNECTIONS = 64
+
+
+def _peer_host(writer: asyncio.StreamWriter) -> str:
+    """The client's host ("" where the transport does not tell)."""
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
 class RankLike(Protocol):
@@ -83,6 +89,7 @@ class Metrics:
         self._refresh = refresh
         self.max_connections = HTTP_MAX_CONNECTIONS
         self.connections = 0
+        self._by_peer: dict[str, int] = {}  # connections served now, by client host
         self.connections_refused = 0
         # (rank, event type) -> events published; control op -> requests; (op, code) -> errors.
         self.events: dict[tuple[int, str], int] = {}
@@ -145,12 +152,17 @@ class Metrics:
             self._server = None
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= self.max_connections:
-            # Each connection holds a file descriptor: a flood must not use them up.
+        peer = _peer_host(writer)
+        held = self._by_peer.get(peer, 0)
+        # Each connection holds a file descriptor: a flood must not use them up; nor may one
+        # host hold more than a quarter of them (it once held all, and /healthz, a liveness
+        # probe, failed for everyone else).
+        if self.connections >= self.max_connections or held >= max(1, self.max_connections // 4):
             self.connections_refused += 1
             writer.transport.abort()
             return
         self.connections += 1
+        self._by_peer[peer] = held + 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_TIMEOUT_S)
             if self._refresh is not None:
@@ -172,6 +184,9 @@ class Metrics:
             log.exception("metrics: a scrape failed")
         finally:
             self.connections -= 1
+            left = self._by_peer.pop(peer) - 1
+            if left:
+                self._by_peer[peer] = left
             writer.transport.abort()  # nothing is left to send: free the fd now
 
     def page(self, head: bytes) -> tuple[str, str, bytes]:
