@@ -170,7 +170,8 @@ async def test_checksum_of_the_pool_is_sliced_and_a_reset_goes_first(service: Se
     reply = send(service, "checksum", block_ids=block_ids)
     assert isinstance(reply, Pending)
     reply.then(lambda value, error: replies.append(bytes(value)) if value else None)
-    await asyncio.sleep(0)
+    for _ in range(6):  # the ids decoded, then the first slice checksummed, each in its turn
+        await asyncio.sleep(0)
     answer(send(service, "reset"))
     assert not replies
     await turns_until(lambda: bool(replies))
