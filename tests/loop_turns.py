@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -59,3 +60,13 @@ async def settled(reply: Reply) -> dict[str, Any]:
     await turns_until(lambda: bool(replies))
     decoded: dict[str, Any] = msgpack.unpackb(replies[0], raw=False)
     return decoded
+
+
+async def until(condition: Callable[[], object], what: str, deadline_s: float = 10.0) -> None:
+    """Let the loop run (a millisecond at a time) until ``condition()`` holds; fail naming
+    ``what`` after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)

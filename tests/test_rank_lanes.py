@@ -5,9 +5,7 @@ connection, where a reset of any client is read next; nothing long nor deep goes
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +19,7 @@ from kvpubd.daemon.rank_front import PRIORITY_DEPTH, RankFront
 from kvpubd.daemon.rank_link import RankLink
 from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.control_frames import parse_request
+from tests.loop_turns import until
 
 DEADLINE_S = 10.0
 
@@ -66,14 +65,6 @@ class Rig:
     def send(self, route: bytes, request: dict[str, Any]) -> None:
         frame = msgpack.packb(request)
         self.front.handle(parse_request(frame, 1 << 30, 1 << 30), None, frame, (route,))
-
-
-async def until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
 
 
 @pytest.fixture

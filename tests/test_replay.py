@@ -122,6 +122,32 @@ def test_the_ring_keeps_what_a_replay_in_progress_needs_then_shrinks_back(
         context.term()
 
 
+def publish_long_ring(publisher: Publisher[ZmqTransport]) -> None:
+    """Batches 0.. of a replay longer than one turn's share (REPLAY_CHUNK): one stays in
+    progress across turns."""
+    for _ in range(4 * REPLAY_CHUNK):
+        publisher.publish([])
+
+
+def served_beside(
+    publisher: Publisher[ZmqTransport],
+    reader: zmq.Socket[bytes],
+    asked: int,
+    held: int,
+    refused: int,
+) -> None:
+    """A flood's ``asked`` requests are read (nothing streamed yet): ``held`` replays in
+    progress, ``refused`` requests refused; then ``reader``'s replay from 0 is served whole,
+    nothing more refused."""
+    transport = publisher.transport
+    while transport.replay_requests + transport.replays_refused < asked:
+        transport.handle_replay(slice_s=0)  # accepts only
+    assert (transport.replays_in_progress, transport.replays_refused) == (held, refused)
+    reader.send_multipart([b"", pack_seq(0)])
+    assert replayed(publisher, reader) == list(range(4 * REPLAY_CHUNK))
+    assert transport.replays_refused == refused
+
+
 def test_a_peer_that_asks_again_and_again_holds_one_replay_slot(tmp_path: Path) -> None:
     """A peer's new request replaces its replay in progress: one that asks over and over and
     never reads (a flood, or a client retrying) takes one of the max_replays slots, not all,
@@ -133,18 +159,11 @@ def test_a_peer_that_asks_again_and_again_holds_one_replay_slot(tmp_path: Path) 
     flood.connect(publisher.replay_endpoint)
     reader = context.socket(zmq.DEALER)
     reader.connect(publisher.replay_endpoint)
-    transport = publisher.transport
     try:
-        for _ in range(4 * REPLAY_CHUNK):  # longer than one turn's share: still streaming
-            publisher.publish([])
+        publish_long_ring(publisher)
         for _ in range(10):
             flood.send_multipart([b"", pack_seq(0)])
-        while transport.replay_requests + transport.replays_refused < 10:
-            transport.handle_replay(slice_s=0)  # accepts only: nothing streamed
-        assert (transport.replays_in_progress, transport.replays_refused) == (1, 0)
-        reader.send_multipart([b"", pack_seq(0)])
-        assert replayed(publisher, reader) == list(range(4 * REPLAY_CHUNK))
-        assert transport.replays_refused == 0
+        served_beside(publisher, reader, asked=10, held=1, refused=0)
     finally:
         flood.close(linger=0)
         reader.close(linger=0)
@@ -161,19 +180,12 @@ def test_many_connections_of_one_process_hold_a_share_of_the_replay_slots(
     connections of one process once took all eight slots."""
     context = zmq.Context()
     publisher = local_publisher(context, tmp_path, buffer_steps=8 * REPLAY_CHUNK, max_replays=8)
-    transport = publisher.transport
     flood = asking_process(publisher.replay_endpoint, 10, pack_seq(0))
     reader = context.socket(zmq.DEALER)
     reader.connect(publisher.replay_endpoint)
     try:
-        for _ in range(4 * REPLAY_CHUNK):  # longer than one turn's share: still streaming
-            publisher.publish([])
-        while transport.replay_requests + transport.replays_refused < 10:
-            transport.handle_replay(slice_s=0)  # accepts only: nothing streamed
-        assert (transport.replays_in_progress, transport.replays_refused) == (2, 8)
-        reader.send_multipart([b"", pack_seq(0)])
-        assert replayed(publisher, reader) == list(range(4 * REPLAY_CHUNK))
-        assert transport.replays_refused == 8
+        publish_long_ring(publisher)
+        served_beside(publisher, reader, asked=10, held=2, refused=8)
     finally:
         flood.kill()
         flood.wait()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.transports import zmq_snapshot
 from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint
 from kvpubd.protocol.snapshot_wire import UNAVAILABLE
+from tests.loop_turns import until
 from tests.streams import asking_process
 
 PUBLISHER_ID = bytes(range(16))
@@ -92,15 +93,6 @@ async def rig() -> AsyncIterator[Rig]:
     finally:
         endpoint.close()
         context.destroy(linger=0)
-
-
-async def until(condition: Callable[[], object], what: str) -> None:
-    """Let the loop run until ``condition()`` holds."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
 
 
 async def reply_of(sock: zmq.Socket[bytes]) -> list[bytes]:
