@@ -1,7 +1,8 @@
 """A ``checksum`` reply put together across loop turns: the pool checksums a slice of the ids
-per turn (``checksum_steps``) and each slice's sums are encoded as they come, so neither the
-pool's bytes nor a long id list hold a reset back. A reset in between goes first; blocks it
-freed are checksummed as zeros (scrubbed first), like any free block."""
+per step (``checksum_steps``), each step in its turn (turns.py), and each slice's sums are
+encoded as they come, so neither the pool's bytes nor a long id list hold a reset back. A
+reset in between goes first; blocks it freed are checksummed as zeros (scrubbed first), like
+any free block."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from kvpubd.daemon.turns import next_slice
 
 async def checksum_reply(head: bytes, count: int, steps: Iterator[np.ndarray | None]) -> bytes:
     """The reply: ``head`` (the encoded reply up to its ``checksums`` array, see
-    ``control.ok_reply_head``), then the ``count`` sums the steps yield, one step per loop
-    turn in its turn (turns.py)."""
+    ``control.ok_reply_head``), then the ``count`` sums the steps yield, a step at a time,
+    each in its turn (turns.py)."""
     packer = msgpack.Packer(use_bin_type=True)
     parts = [head, packer.pack_array_header(count)]
     while True:
