@@ -121,6 +121,8 @@ class ConnectionCap:
                 fd = message["value"]
                 if self.observer is not None:  # before a hang-up, which it then hears of
                     self.observer.accepted(fd)
+                # A new connection on this fd: whatever held it before is gone, heard of or not.
+                self._shed.discard(fd)
                 if self._over_share(fd):
                     continue
                 self.connections += 1
