@@ -55,3 +55,26 @@ async def test_a_cancelled_request_leaves_its_turn_to_the_others() -> None:
     gone.cancel()
     assert np.array_equal(await kept, np.arange(ITEMS))
     assert gone.cancelled()
+
+
+async def test_a_request_alone_decodes_a_slice_every_loop_turn() -> None:
+    """Taking turns costs a request alone nothing: it is let go again in the turn it does its
+    slice, so it does one every turn (it did one every second turn)."""
+    loop = asyncio.get_running_loop()
+    decoder = id_list(ITEMS)
+    per_turn: list[int] = []
+    last = 0
+
+    def tick() -> None:
+        nonlocal last
+        per_turn.append(decoder.decoded - last)
+        last = decoder.decoded
+        if last < ITEMS:
+            loop.call_soon(tick)
+
+    loop.call_soon(tick)
+    result = await decode_in_slices(decoder)
+    assert np.array_equal(result, np.arange(ITEMS))
+    # From its first slice on (the last one is done in the turn it returns, after the tick).
+    working = per_turn[per_turn.index(DECODE_SLICE) :]
+    assert working == [DECODE_SLICE] * (ITEMS // DECODE_SLICE - 1)

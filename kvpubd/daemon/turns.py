@@ -19,31 +19,33 @@ class TurnShare:
     """The jobs of one event loop waiting for their next slice, let go one per loop turn."""
 
     def __init__(self) -> None:
-        # (No reference to its loop: the loop's entry in _shares must not keep it alive.)
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        # Weakly: a future refers to its loop, and the loop's entry in _shares must not keep
+        # a loop closed with jobs still waiting alive. The job's task holds its future.
+        self._waiting: deque[weakref.ref[asyncio.Future[None]]] = deque()
         self._scheduled = False
 
     async def turn(self) -> None:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._waiting.append(future)
+        self._waiting.append(weakref.ref(future))
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._release)
         await future
 
     def _release(self) -> None:
-        # The job let go runs in the next turn; so does this, which lets the next one go.
+        # The job let go runs in the next turn, and so does this again: by then that job is
+        # back in line, so even a job alone gets a slice every turn. A turn that finds no job
+        # waiting schedules nothing.
         self._scheduled = False
         waiting = self._waiting
         while waiting:
-            future = waiting.popleft()
-            if not future.done():  # a cancelled job's is
+            future = waiting.popleft()()
+            if future is not None and not future.done():  # a cancelled job's is done
                 future.set_result(None)
-                break
-        if waiting:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._release)
+                self._scheduled = True
+                asyncio.get_running_loop().call_soon(self._release)
+                return
 
 
 # One per running loop (the tests run a daemon's loop per thread); gone with its loop.
