@@ -48,13 +48,19 @@ class Worker:
     def on(self, lane: str) -> list[str]:
         return [r.get("op", "?") for which, r, _ in self.got if which == lane]
 
-    def answer_all(self) -> None:
-        for _, request, envelope in self.got:
+    def answer_all(self, op: str | None = None) -> None:
+        """Answer what is here (only the requests of ``op``, if named)."""
+        kept = []
+        for entry in self.got:
+            _, request, envelope = entry
+            if op is not None and request.get("op") != op:
+                kept.append(entry)
+                continue
             reply = {"ok": True, "id": 0, "ranks": [], "epoch": 1, "paused": False}
             if request.get("op") == "store":
                 reply = {"ok": True, "id": 0, "rank": 0, "block_ids": [], "cached_tokens": 0}
             self.sock.send_multipart([*envelope, msgpack.packb(reply)])
-        self.got.clear()
+        self.got = kept
 
 
 @dataclass
@@ -116,11 +122,42 @@ async def test_a_flood_of_small_ops_puts_at_most_priority_depth_on_the_priority_
 ) -> None:
     for n in range(3 * PRIORITY_DEPTH):
         rig.send(b"flood", {"op": "stats", "id": n})
-    await until(lambda: rig.worker.holds(PRIORITY_DEPTH), "stats")
-    assert rig.worker.on("priority") == ["stats"] * PRIORITY_DEPTH
+    for round_ in range(1, 4):  # a round on its way at once, the next once it is answered
+        await until(lambda: rig.worker.holds(PRIORITY_DEPTH), "stats")
+        rig.worker.read()
+        assert rig.worker.on("priority") == ["stats"] * PRIORITY_DEPTH, round_
+        rig.worker.answer_all()
+    assert rig.worker.on("bulk") == []
+
+
+async def test_a_reset_held_behind_a_clients_own_stats_goes_on_the_priority_connection(
+    rig: Rig,
+) -> None:
+    """Once the client's stats ahead of it are answered, its reset goes where other clients'
+    stores are not ahead of it. It once went on the bulk connection, behind them all."""
+    for n in range(3):
+        rig.send(b"engine", store(n))
+    for n in range(PRIORITY_DEPTH):
+        rig.send(b"router", {"op": "stats", "id": n})
+    rig.send(b"router", {"op": "reset", "id": 99, "force": True})
+    await until(lambda: rig.worker.holds(3 + PRIORITY_DEPTH), "stores and stats")
+    rig.worker.answer_all("stats")  # the engine's stores stay unanswered
+    await until(lambda: rig.worker.holds(4), "the reset")
+    assert rig.worker.on("bulk") == ["store"] * 3
+    assert rig.worker.on("priority") == ["reset"]
+
+
+async def test_a_store_held_behind_priority_ops_takes_the_lane_to_the_bulk_connection(
+    rig: Rig,
+) -> None:
+    """Order is kept: the stats after the store follow it onto the bulk connection."""
+    rig.send(b"engine", {"op": "stats", "id": 1})
+    rig.send(b"engine", store(2))
+    rig.send(b"engine", {"op": "stats", "id": 3})
+    await until(lambda: rig.worker.holds(1), "the first stats")
     rig.worker.answer_all()
-    await until(lambda: rig.worker.holds(2 * PRIORITY_DEPTH), "rest")
-    assert rig.worker.on("bulk") == ["stats"] * (2 * PRIORITY_DEPTH)
+    await until(lambda: rig.worker.holds(2), "the store and the stats")
+    assert rig.worker.on("bulk") == ["store", "stats"]
 
 
 async def test_what_waits_in_the_service_counts_against_the_in_flight_cap(

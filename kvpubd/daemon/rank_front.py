@@ -127,14 +127,24 @@ PRIORITY_DEPTH = 8
 
 
 @dataclass
+class _Held:
+    """A request waiting in its client's lane: where it goes, what it is, its reply to come,
+    and whether it is an op of PRIORITY_OPS."""
+
+    link: RankLink
+    body: bytes
+    reply: Pending[zmq.Frame]
+    priority: bool
+
+
+@dataclass
 class _Lane:
     """The connection one client's requests to one worker are on, while any is on its way,
-    and the requests of that client waiting here to go on the bulk one once those are
-    answered (link, body, the reply to resolve)."""
+    and the requests of that client waiting here for those to be answered."""
 
     priority: bool
     in_flight: int = 0
-    held: list[tuple[RankLink, bytes, Pending[zmq.Frame]]] = field(default_factory=list)
+    held: list[_Held] = field(default_factory=list)
 
 
 @dataclass
@@ -482,9 +492,9 @@ class RankFront:
 
         The priority connection carries nothing long nor deep: an op not of PRIORITY_OPS
         (a store, say) behind the client's ops on it, or more than PRIORITY_DEPTH of them,
-        waits here until they are answered and then goes on the bulk one, with every later
-        request of the client. It once went on the priority connection, where another
-        client's reset waited behind a whole flood of stores."""
+        waits here until they are answered (see _answered). A store once went on the
+        priority connection, where another client's reset waited behind a whole flood of
+        stores."""
         route = self._route
         if route is None:
             return link.request(body, priority=True)
@@ -496,7 +506,7 @@ class RankFront:
             lane.priority and (not self._priority or lane.in_flight >= PRIORITY_DEPTH)
         ):
             reply: Pending[zmq.Frame] = Pending()
-            lane.held.append((link, body, reply))
+            lane.held.append(_Held(link, body, reply, self._priority))
             held = self._held[link.rank]
             held[0] += 1
             held[1] += len(body)
@@ -512,8 +522,12 @@ class RankFront:
         return reply
 
     def _answered(self, key: tuple[Route, int], lane: _Lane) -> None:
-        """One of a lane's requests was answered: once none is on its way, the requests it
-        held go on the bulk connection, in order; or the lane is done."""
+        """One of a lane's requests was answered: once none is on its way, what it held goes
+        on. Ops of PRIORITY_OPS at its head stay on the priority connection, PRIORITY_DEPTH at
+        most, the rest waiting for their turn again (a reset held behind the client's own
+        stats once went on the bulk connection, behind every other client's stores); a
+        request of another kind at its head takes the lane, and all it held, to the bulk one.
+        A lane with nothing on its way or held is done."""
         lane.in_flight -= 1
         if lane.in_flight:
             return
@@ -521,13 +535,20 @@ class RankFront:
             if self._lanes.get(key) is lane:
                 del self._lanes[key]
             return
-        held, lane.held = lane.held, []
-        lane.priority = False
-        for link, body, reply in held:
-            counts = self._held[link.rank]
+        held = lane.held
+        run = 0
+        while run < min(len(held), PRIORITY_DEPTH) and held[run].priority:
+            run += 1
+        if run:
+            going, lane.held = held[:run], held[run:]
+        else:
+            going, lane.held = held, []
+            lane.priority = False
+        for entry in going:
+            counts = self._held[entry.link.rank]
             counts[0] -= 1
-            counts[1] -= len(body)
-            self._request(key, lane, link, body).then(_settles(reply))
+            counts[1] -= len(entry.body)
+            self._request(key, lane, entry.link, entry.body).then(_settles(entry.reply))
 
     def _forward(self, link: RankLink, frame: bytes) -> Pending[bytes | memoryview]:
         return self._send(link, frame).map(_reply_bytes)
