@@ -74,7 +74,9 @@ class ConnectionCap:
         # One peer (a host over tcp, a process over ipc) holds at most ``share`` of them: a
         # client that leaks connections, or opens them to lock others out, reached the cap
         # alone and closed the listener to everyone (the control socket deaf to resets).
-        self.share = max(1, self.cap // 4)
+        # Never below 4 (the cap allowing): a worker's private control socket, with a small
+        # cap on a small fd budget, must still take the service's two connections.
+        self.share = min(self.cap, max(4, self.cap // 4))
         self._peers: dict[str, int] = {}  # connections counted per peer
         self._peer_of: dict[int, str] = {}  # by fd, the counted connections' peers
         self._shed: set[int] = set()  # hung up for their peer's share, not counted
@@ -218,10 +220,12 @@ class IpcListener:
     def peer(self, fd: int) -> str | None:
         """The process at the other end of connection ``fd`` (None if it cannot tell)."""
 
-        def credentials(sock: socket.socket) -> str:
+        def credentials(sock: socket.socket) -> str | None:
             size = struct.calcsize("3i")
             pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, _PEERCRED, size))
-            return f"process {pid} (uid {uid})"
+            # pid 0: a process in another PID namespace, as are all the others there; telling
+            # them apart is not possible, so no share applies.
+            return f"process {pid} (uid {uid})" if pid else None
 
         return _peer(fd, (socket.AF_UNIX,), self._names_me, credentials)
 
@@ -329,7 +333,7 @@ def _peer(
     fd: int,
     families: tuple[int, ...],
     is_ours: Callable[[socket.socket], bool],
-    name: Callable[[socket.socket], str],
+    name: Callable[[socket.socket], str | None],
 ) -> str | None:
     """``name`` of connection ``fd``'s peer, checked as ``_hang_up`` checks it first; None
     where it is not such a connection (any more) or the peer cannot be told."""

@@ -40,11 +40,17 @@ HANDSHAKE_IVL_MS = 10_000
 def peer_address(frame: zmq.Frame) -> str:
     """Where a received message came from, as ZeroMQ tells: the IP address over tcp,
     ``localhost:UID:GID:PID`` over ipc (the peer process), "" where it does not tell
-    (inproc: this process; no share applies)."""
+    (inproc: this process; no share applies). A process in another PID namespace (another
+    container on the host) has pid 0 here, the same for all of them: "" too, not one share
+    for them all."""
     try:
-        return str(frame.get("Peer-Address"))
+        address = str(frame.get("Peer-Address"))
     except zmq.ZMQError:
         return ""
+    fields = address.split(":")
+    if len(fields) == 4 and fields[0] == "localhost" and fields[3] == "0":
+        return ""
+    return address
 
 
 def address_share(limit: int) -> int:
