@@ -67,6 +67,7 @@ class Worker:
 class Rig:
     front: RankFront
     worker: Worker
+    link: RankLink
 
     def send(self, route: bytes, request: dict[str, Any]) -> None:
         frame = msgpack.packb(request)
@@ -89,7 +90,7 @@ async def rig() -> AsyncIterator[Rig]:
     await until(lambda: link.in_flight == 0, "the probes' replies")
     front = RankFront(Settings(), lambda rank: link, NullMetrics(), epoch=1)
     try:
-        yield Rig(front, worker)
+        yield Rig(front, worker, link)
     finally:
         link.close("test over")
         context.destroy(linger=0)
@@ -171,3 +172,25 @@ async def test_what_waits_in_the_service_counts_against_the_in_flight_cap(
         replies.append(rig.front.handle(request, None, frame, (b"flood",)))
     refused = [r for r in replies if isinstance(r, bytes) and b"busy" in r]
     assert len(refused) == PRIORITY_DEPTH  # 8 sent, 8 waiting here, the rest refused
+
+
+async def test_what_a_lane_holds_is_answered_unavailable_when_its_worker_dies(
+    rig: Rig,
+) -> None:
+    """Every request held behind the ones on their way fails with them, at once, and nothing
+    is sent to the worker gone; even thousands of small ops (once sent round by round to the
+    closed link, a recursion as deep as the rounds)."""
+    count = rank_front.MAX_IN_FLIGHT - 1
+    replies = []
+    for n in range(count):
+        frame = msgpack.packb({"op": "stats", "id": n})
+        request = parse_request(frame, 1 << 30, 1 << 30)
+        replies.append(rig.front.handle(request, None, frame, (b"flood",)))
+    got: list[bytes] = []
+    for reply in replies:
+        assert not isinstance(reply, bytes)
+        reply.then(lambda value, _: got.append(bytes(value or b"")))
+    rig.link.close("worker died")
+    assert len(got) == count
+    assert all(msgpack.unpackb(r)["error"]["code"] == "unavailable" for r in got)
+    assert rig.front._held[0] == [0, 0]

@@ -30,7 +30,7 @@ from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.operations import settled_reply
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
-from kvpubd.daemon.rank_link import RankLink
+from kvpubd.daemon.rank_link import LinkLost, RankLink
 from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.control import (
     Batch,
@@ -536,6 +536,15 @@ class RankFront:
                 del self._lanes[key]
             return
         held = lane.held
+        if held[0].link.closed:  # the worker died: all it held fails now, not round by round
+            lane.held = []
+            if self._lanes.get(key) is lane:
+                del self._lanes[key]
+            lost = LinkLost(f"rank {held[0].link.rank}'s worker is not running")
+            for entry in held:
+                self._unhold(entry)
+                entry.reply.fail(lost)
+            return
         run = 0
         while run < min(len(held), PRIORITY_DEPTH) and held[run].priority:
             run += 1
@@ -545,10 +554,13 @@ class RankFront:
             going, lane.held = held, []
             lane.priority = False
         for entry in going:
-            counts = self._held[entry.link.rank]
-            counts[0] -= 1
-            counts[1] -= len(entry.body)
+            self._unhold(entry)
             self._request(key, lane, entry.link, entry.body).then(_settles(entry.reply))
+
+    def _unhold(self, entry: _Held) -> None:
+        counts = self._held[entry.link.rank]
+        counts[0] -= 1
+        counts[1] -= len(entry.body)
 
     def _forward(self, link: RankLink, frame: bytes) -> Pending[bytes | memoryview]:
         return self._send(link, frame).map(_reply_bytes)

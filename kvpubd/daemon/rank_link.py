@@ -55,6 +55,11 @@ class RankLink:
         """Requests sent and not answered yet."""
         return len(self._waiting)
 
+    @property
+    def closed(self) -> bool:
+        """Its worker went away: requests fail at once with LinkLost."""
+        return self._closed
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         for lane, sock in enumerate(self._socks):
