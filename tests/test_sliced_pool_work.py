@@ -6,6 +6,7 @@ scrub's wait after a reset (so that the marker leaves first) is off but where it
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -193,3 +194,24 @@ async def test_checksum_of_the_pool_is_sliced_and_a_reset_goes_first(service: Se
 async def test_checksum_errors_name_the_field(service: Service, block_ids: Any, item: str) -> None:
     error = (await settled(send(service, "checksum", block_ids=block_ids)))["error"]
     assert error["code"] == "bad_request" and item in error["message"], error
+
+
+async def test_a_checksum_under_way_is_answered_whatever_the_garbage_collector_does(
+    service: Service,
+) -> None:
+    """Nothing outside the daemon holds a checksum's job (the client's reply comes from its
+    done callback), and the loop holds tasks only weakly: were the job collectable while it
+    waits for its next slice, its reply would never come (two checksums unanswered in a
+    180 s soak)."""
+    fill_pool(service)
+    reply = send(service, "checksum", block_ids=list(range(NUM_BLOCKS)))
+    assert isinstance(reply, Pending)
+    replies: list[bytes] = []
+    reply.then(lambda value, error: replies.append(bytes(value)) if value else None)
+
+    def collected_then_answered() -> bool:
+        gc.collect()
+        return bool(replies)
+
+    await turns_until(collected_then_answered, limit=1000)
+    assert len(answer(replies[0])["checksums"]) == NUM_BLOCKS

@@ -5,6 +5,7 @@ does not grow with them."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import msgpack
 import msgspec
@@ -78,3 +79,24 @@ async def test_a_request_alone_decodes_a_slice_every_loop_turn() -> None:
     # From its first slice on (the last one is done in the turn it returns, after the tick).
     working = per_turn[per_turn.index(DECODE_SLICE) :]
     assert working == [DECODE_SLICE] * (ITEMS // DECODE_SLICE - 1)
+
+
+async def test_a_request_nothing_else_holds_is_not_collected_while_it_waits_for_its_turn() -> None:
+    """A request's job is a task the loop holds only weakly; while it waits for its turn, its
+    future is all that holds it (the daemon keeps no other reference: its reply comes from the
+    task's done callback). Futures held weakly here let the garbage collector take the task
+    and its reply with it: checksums never answered in the soak."""
+    decoded: list[np.ndarray] = []
+
+    async def job() -> None:
+        decoded.append(await decode_in_slices(id_list(ITEMS)))
+
+    asyncio.ensure_future(job())  # no reference kept, as Operations keeps none
+    turns = ITEMS // DECODE_SLICE + 2
+    await asyncio.sleep(0)  # one loop turn: the job starts and waits for its turn
+    gc.collect()
+    for _ in range(turns):  # loop turns, counted: a slice per turn, then the result
+        await asyncio.sleep(0)
+        if decoded:
+            break
+    assert len(decoded) == 1 and np.array_equal(decoded[0], np.arange(ITEMS))

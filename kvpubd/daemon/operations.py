@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -85,6 +85,7 @@ class Encoded:
 # What a handler answers: the reply, the reply to come, or one it encodes itself.
 Answer = ControlReply | Pending[StoreReply] | Pending[ReleaseReply] | Encoded
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Answer])
+T = TypeVar("T")
 # The handler of each request type: (operations, request, the client that sent it).
 _HANDLERS: dict[type[ControlRequest], Callable[..., Answer]] = {}
 
@@ -122,6 +123,9 @@ class Operations:
         )
         # Set while a batch has used its time in this loop turn: its later stores are queued.
         self._queue_stores = False
+        # Requests' jobs under way: the loop holds a task only weakly, and a job's reply comes
+        # from its done callback, so nothing else may hold it.
+        self._jobs: set[asyncio.Future[Any]] = set()
 
     def handle(
         self,
@@ -333,7 +337,7 @@ class Operations:
         slice per loop turn: a snapshot never holds the loop."""
         pipeline = self._pipeline(request.rank)
         job = pipeline.snapshot().result
-        reply = asyncio.ensure_future(self._snapshot_reply(request, pipeline.rank, job))
+        reply = self._job(self._snapshot_reply(request, pipeline.rank, job))
         return Encoded(Pending.of_future(reply))
 
     async def _snapshot_reply(
@@ -367,8 +371,15 @@ class Operations:
             raise CacheError("bad_request", "block_ids: expected a list of integers")
         if len(block_ids) > num_blocks:
             raise CacheError("too_large", f"block_ids: at most {num_blocks} ids")
-        job = asyncio.ensure_future(self._checksum(request, block_ids, pipeline))
+        job = self._job(self._checksum(request, block_ids, pipeline))
         return Encoded(self._settled(request, Pending.of_future(job)))
+
+    def _job(self, work: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        """``work`` as a task held until it is done (see _jobs)."""
+        job = asyncio.ensure_future(work)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return job
 
     async def _checksum(
         self, request: Checksum, block_ids: IntArray, pipeline: RankPipeline

@@ -11,6 +11,7 @@ its own slice per turn."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections import deque
 
@@ -19,19 +20,25 @@ class TurnShare:
     """The jobs of one event loop waiting for their next slice, let go one per loop turn."""
 
     def __init__(self) -> None:
-        # Weakly: a future refers to its loop, and the loop's entry in _shares must not keep
-        # a loop closed with jobs still waiting alive. The job's task holds its future.
-        self._waiting: deque[weakref.ref[asyncio.Future[None]]] = deque()
+        # Strongly: a job's task is held by the loop only weakly, and while it waits here its
+        # future is all that holds it (a job's reply comes from the task's done callback).
+        # Held weakly, the garbage collector took waiting checksums with their replies.
+        self._waiting: deque[asyncio.Future[None]] = deque()
         self._scheduled = False
 
     async def turn(self) -> None:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._waiting.append(weakref.ref(future))
+        self._waiting.append(future)
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._release)
-        await future
+        try:
+            await future
+        finally:
+            if not future.done() or future.cancelled():  # cancelled: out of line at once
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(future)
 
     def _release(self) -> None:
         # The job let go runs in the next turn, and so does this again: by then that job is
@@ -40,15 +47,16 @@ class TurnShare:
         self._scheduled = False
         waiting = self._waiting
         while waiting:
-            future = waiting.popleft()()
-            if future is not None and not future.done():  # a cancelled job's is done
+            future = waiting.popleft()
+            if not future.done():
                 future.set_result(None)
                 self._scheduled = True
                 asyncio.get_running_loop().call_soon(self._release)
                 return
 
 
-# One per running loop (the tests run a daemon's loop per thread); gone with its loop.
+# One per running loop (the tests run a daemon's loop per thread); gone with its loop once
+# no job waits (a cancelled job leaves the line at once; asyncio.run cancels what is left).
 _shares: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, TurnShare] = (
     weakref.WeakKeyDictionary()
 )
