@@ -41,6 +41,10 @@ ZMQ_INT_MAX = (1 << 31) - 1  # libzmq takes the high-water mark as a C int
 DTYPE_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "uint8": 1}
 
 
+# service.rank_processes: see ServiceConfig.
+RankProcessesMode = Literal["auto", "on", "off"]
+
+
 class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key."""
 
@@ -349,7 +353,7 @@ class ServiceConfig(_Section):
     # process ("off"), or "auto": worker processes when more than one rank is served and the
     # machine has a CPU for each and one more (one Python thread serves all ranks otherwise,
     # so throughput would not grow with them). Clients see the same endpoints and protocol.
-    rank_processes: Literal["auto", "on", "off"] = "auto"
+    rank_processes: RankProcessesMode = "auto"
     # A rank worker that dies is started again, up to this many times in rank_restart_window_s
     # (its seq goes on, its first batch is AllBlocksCleared); one more death stops the service
     # with a non-zero status. 0: the first death stops the service.

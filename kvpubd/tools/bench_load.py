@@ -84,12 +84,12 @@ def _await_replies(
     control: LoadControl,
     timeout: float,
     tolerated: frozenset[str] = frozenset(),
-) -> int:
-    """Wait for the replies to ``request_ids`` (a late one to an earlier request is skipped);
-    how many came ok or refused with a ``tolerated`` error code, once all came, or on stop or
-    timeout."""
+) -> list[str]:
+    """Wait for the replies to ``request_ids`` (a late one to an earlier request is skipped),
+    until all came, or stop, or ``timeout``; what went wrong, one line per request: refused
+    (unless with a ``tolerated`` error code) or unanswered. Empty on stop."""
     waiting = set(request_ids)
-    good = 0
+    wrong: list[str] = []
     deadline = time.monotonic() + timeout
     while waiting and not control.stop.is_set() and time.monotonic() < deadline:
         if sock.poll(POLL_MS):
@@ -97,8 +97,11 @@ def _await_replies(
             if reply.get("id") in waiting:
                 waiting.discard(reply["id"])
                 error = reply.get("error") or {}
-                good += bool(reply.get("ok")) or error.get("code") in tolerated
-    return good
+                if not reply.get("ok") and error.get("code") not in tolerated:
+                    wrong.append(f"refused: {error.get('code')}: {error.get('message')}")
+    if control.stop.is_set():
+        return []
+    return [*wrong, *(f"unanswered after {timeout:g} s" for _ in waiting)]
 
 
 def rounds(control: LoadControl) -> Iterator[int]:
@@ -132,7 +135,9 @@ def request_loop(
     ids = itertools.count(1)
     durations: list[float] = []
     failures = 0
+    first_failures: list[str] = []  # what the first of them were, and when
     control.set_ready()
+    began = time.monotonic()
     try:
         for n in rounds(control):
             # The id first, long token lists last (msgpack keeps the order).
@@ -146,12 +151,15 @@ def request_loop(
                     with control.ops.get_lock():
                         control.ops.value += 1
                 wave_ids = [request["id"] for request in wave]
-                good = _await_replies(sock, wave_ids, control, reply_timeout, tolerated)
+                wrong = _await_replies(sock, wave_ids, control, reply_timeout, tolerated)
                 if control.stop.is_set():
                     return
                 if i == 0:
                     durations.append(time.perf_counter() - started)
-                failures += len(wave) - good
+                failures += len(wrong)
+                if wrong and len(first_failures) < 3:
+                    at = round(time.monotonic() - began, 1)
+                    first_failures += [f"at {at} s: {line}" for line in wrong[:1]]
     finally:
         sock.close()
         ctx.term()
@@ -160,6 +168,7 @@ def request_loop(
                 "load": label,
                 "ops": len(durations),
                 "failures": failures,
+                "first_failures": first_failures,
                 "op_p50_ms": _ms(durations, 50),
                 "op_max_ms": round(max(durations) * 1000, 1) if durations else None,
             }

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvpubd.daemon.settings import RankProcessesMode
 from kvpubd.exits import USAGE, check_positive, fail
 from kvpubd.protocol.hashing import HashAlgorithm
 from kvpubd.tools.bench_children import answer, start_child
@@ -29,7 +30,6 @@ from kvpubd.tools.bench_senders import send_in_process, send_rank_share
 from kvpubd.tools.launcher import DaemonProcess
 from kvpubd.tools.service_cpu import CpuReading, rank_workers
 
-RankProcessesMode = Literal["auto", "on", "off"]
 Senders = Literal["per-rank", "one"]
 
 

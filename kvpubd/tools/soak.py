@@ -31,6 +31,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
+from kvpubd.daemon.settings import RankProcessesMode
 from kvpubd.exits import USAGE, fail
 from kvpubd.tools.bench_daemon import start_with_free_ports, stop_and_report
 from kvpubd.tools.bench_load import LoadControl, LoadSpec, raise_fd_limit
@@ -129,9 +130,10 @@ def run_soak(
     progress: Any = None,
     loads_run: list[str] | None = None,
     reloads: bool = True,
+    rank_processes: RankProcessesMode = "auto",
 ) -> dict[str, Any]:
     """The soak with ``loads_run`` (default: all of LOADS), SIGHUPs now and then if
-    ``reloads``."""
+    ``reloads``, the daemon's ``service.rank_processes`` as given."""
     names = [name for name in LOADS if name not in OPT_IN] if loads_run is None else loads_run
     unknown = [name for name in names if name not in LOADS]
     if unknown:
@@ -151,7 +153,7 @@ def run_soak(
         # carries the publisher id, which the replay follower reads past).
         "events": {"buffer_steps": 1000, "snapshot_endpoint": True},
         "control": {"orphan_grace_ms": int(ORPHAN_GRACE_S * 1000)},
-        "service": {"log_level": "warning"},
+        "service": {"log_level": "warning", "rank_processes": rank_processes},
     }
     daemon: DaemonProcess = start_with_free_ports(overrides)
     ctx = multiprocessing.get_context("spawn")
@@ -237,6 +239,9 @@ def run_soak(
                 if follower.is_alive():
                     follower.kill()
         probe.close()
+        # At log level warning: what went wrong, in the daemon's words.
+        warnings = daemon.log().splitlines()
+        report["daemon_log"] = {"lines": len(warnings), "last": warnings[-20:]}
         report["daemon"] = stop_and_report(daemon)
         report["loads"] = results
     report.update(
@@ -301,6 +306,9 @@ def bench_soak(
         typer.Option(help="run only this load (repeat for several); default: every load"),
     ] = None,
     reloads: Annotated[bool, typer.Option(help="send SIGHUP now and then")] = True,
+    rank_processes: Annotated[
+        RankProcessesMode, typer.Option(help="the daemon's service.rank_processes")
+    ] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Every load at once (large, cached and small stores, checksums, snapshots, a replay
@@ -315,6 +323,7 @@ def bench_soak(
                 lambda text: progress.update(task, description=text),
                 loads_run=load or None,
                 reloads=reloads,
+                rank_processes=rank_processes,
             )
         except ValueError as exc:
             raise fail(f"--load: {exc}", USAGE) from None
