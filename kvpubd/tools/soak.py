@@ -241,7 +241,8 @@ def run_soak(
         probe.close()
         # At log level warning: what went wrong, in the daemon's words.
         warnings = daemon.log().splitlines()
-        report["daemon_log"] = {"lines": len(warnings), "last": warnings[-20:]}
+        errors = sum(" ERROR " in line or " CRITICAL " in line for line in warnings)
+        report["daemon_log"] = {"lines": len(warnings), "errors": errors, "last": warnings[-20:]}
         report["daemon"] = stop_and_report(daemon)
         report["loads"] = results
     report.update(
@@ -261,6 +262,7 @@ def run_soak(
         not divergences
         and not lost
         and not report["load_failures"]
+        and not report["daemon_log"]["errors"]  # a bug logged (a task destroyed pending, say)
         and bool(report["daemon"].get("alive_at_end"))
     )
     return report
@@ -313,7 +315,8 @@ def bench_soak(
 ) -> None:
     """Every load at once (large, cached and small stores, checksums, snapshots, a replay
     flood, dying clients, reloads) while resets are timed and a follower's mirrors are
-    checked against snapshots; exit 1 on a divergence, a lost reset or a dead daemon."""
+    checked against snapshots; exit 1 on a divergence, a lost reset, a load's request
+    refused or unanswered, an error the daemon logged, or a dead daemon."""
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("soak", total=None)
         try:
@@ -337,10 +340,15 @@ def bench_soak(
             f"p99 {resets['p99_us'] / 1000:.2f} ms, max {(resets['max_us'] or 0) / 1000:.2f} ms; "
             f"{report['resets_lost']} lost; {report['checkpoints']} checkpoints, "
             f"{len(report['divergences'])} divergence(s); {report['load_failures']} load "
-            f"request(s) failed; daemon alive: "
-            f"{report['daemon'].get('alive_at_end')}"
+            f"request(s) failed; {report['daemon_log']['errors']} error(s) logged; "
+            f"daemon alive: {report['daemon'].get('alive_at_end')}"
         )
         for line in report["divergences"]:
             print(f"  divergence: {line}")
+        for ran in report["loads"]:
+            for failure in ran.get("first_failures") or []:
+                print(f"  {ran['load']}: {failure}")
+        if report["daemon_log"]["errors"]:
+            print(*(f"  log: {line}" for line in report["daemon_log"]["last"]), sep="\n")
     if not report["ok"]:
         raise typer.Exit(1)
