@@ -91,7 +91,8 @@ async def test_a_request_nothing_else_holds_is_not_collected_while_it_waits_for_
     async def job() -> None:
         decoded.append(await decode_in_slices(id_list(ITEMS)))
 
-    asyncio.ensure_future(job())  # no reference kept, as Operations keeps none
+    # No reference kept, on purpose: while it waits, what turns holds must keep it alive.
+    asyncio.ensure_future(job())  # noqa: RUF006
     turns = ITEMS // DECODE_SLICE + 2
     await asyncio.sleep(0)  # one loop turn: the job starts and waits for its turn
     gc.collect()
