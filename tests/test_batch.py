@@ -15,6 +15,7 @@ from kvpubd.client import ControlClient, release_request, store_request
 from kvpubd.daemon.control_server import Reply
 from kvpubd.daemon.service import Service
 from kvpubd.protocol.control import MAX_BATCH_REQUESTS
+from kvpubd.protocol.control_frames import ONE_CALL_BYTES
 from tests.loop_turns import settled, started_service, turns_until
 
 TINY = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"}
@@ -109,6 +110,25 @@ async def test_a_batch_over_the_limits_is_refused_whole(tmp_path: Path) -> None:
     assert too_many["error"]["code"] == "bad_request" and "requests" in too_many["error"]["message"]
     assert too_long["error"]["code"] == "too_large"
     assert other_op["error"]["code"] == "bad_request"
+
+
+async def test_a_large_batch_is_read_whatever_the_order_of_its_keys(tmp_path: Path) -> None:
+    """msgpack maps have no order: a batch whose op is not its first key, larger than what
+    is decoded in one call, is the same batch (it was walked as a request of another kind,
+    its token lists taken for lists of anything, and refused), with tokens packed or listed."""
+    entries = [
+        {"op": "store", "request_id": n, "token_ids": tokens(n, 40).tobytes()} for n in range(8)
+    ]
+    entries += [
+        {"op": "store", "request_id": n, "token_ids": tokens(n, 40).tolist()} for n in range(8, 16)
+    ]
+    assert len(msgpack.packb(entries)) > ONE_CALL_BYTES
+    replies = []
+    for order in ({"op": "batch", "id": 9}, {"id": 9, "op": "batch"}):
+        async with started_service(tmp_path / str(len(replies)), cache=TINY) as service:
+            replies.append(await answer(service, {**order, "requests": entries}))
+    assert replies[0]["ok"] and [r["ok"] for r in replies[0]["replies"]] == [True] * 16
+    assert replies[1] == replies[0]
 
 
 def test_the_client_sends_a_batch(start_daemon: Any) -> None:
