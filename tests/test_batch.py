@@ -123,7 +123,7 @@ async def test_a_large_batch_is_read_whatever_the_order_of_its_keys(tmp_path: Pa
         {"op": "store", "request_id": n, "token_ids": tokens(n, 40).tolist()} for n in range(8, 16)
     ]
     assert len(msgpack.packb(entries)) > ONE_CALL_BYTES
-    replies = []
+    replies: list[dict[str, Any]] = []
     for order in ({"op": "batch", "id": 9}, {"id": 9, "op": "batch"}):
         async with started_service(tmp_path / str(len(replies)), cache=TINY) as service:
             replies.append(await answer(service, {**order, "requests": entries}))

@@ -96,9 +96,11 @@ def _await_replies(
             reply = msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
             if reply.get("id") in waiting:
                 waiting.discard(reply["id"])
-                error = reply.get("error") or {}
-                if not reply.get("ok") and error.get("code") not in tolerated:
-                    wrong.append(f"refused: {error.get('code')}: {error.get('message')}")
+                # A batch's own requests are answered in its reply, each ok or refused.
+                for answer in [reply, *(reply.get("replies") or [])]:
+                    error = answer.get("error") or {}
+                    if not answer.get("ok") and error.get("code") not in tolerated:
+                        wrong.append(f"refused: {error.get('code')}: {error.get('message')}")
     if control.stop.is_set():
         return []
     return [*wrong, *(f"unanswered after {timeout:g} s" for _ in waiting)]

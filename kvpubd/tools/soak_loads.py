@@ -1,7 +1,8 @@
 """The loads of ``kvpubd bench soak``, each run in a process of its own (bench_load's
 machinery: a load works while ``go`` is set and ends on ``stop``): large stores, the same large
-prompt stored again (a prefix-cache hit), pipelined small stores, checksums of the whole pool,
-snapshots, a replay flood, and clients that go away or die holding stores."""
+prompt stored again (a prefix-cache hit), pipelined small stores, an engine's batches of stores
+and releases, checksums of the whole pool, snapshots, a replay flood, a flood of small ops
+pipelined deep, and clients that go away or die holding stores."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 40_000  # per rank
 BIG_STORE_BLOCKS = 12_500  # 200k tokens: sliced over many loop turns
 SMALL_STORES = 200  # pipelined per round
+BATCH_STORES = 16  # stores per batch (a scheduler step's new prompts), 16 blocks each
+BATCHES_IN_FLIGHT = 4  # batches pipelined per round
+PRIORITY_FLOOD_DEPTH = 64  # stats and pings pipelined per round
 ORPHAN_GRACE_S = 0.5  # the soak daemon's control.orphan_grace_ms
 
 # The load rank carries the loads' caches; the prober resets rank 0 alone or every rank.
@@ -88,6 +92,50 @@ def small_stores(control: LoadControl, spec: LoadSpec) -> None:
         "small-stores",
         reply_timeout=60,
         tolerated=CLOSED,
+        pipelined=True,
+    )
+
+
+def batched_stores(control: LoadControl, spec: LoadSpec) -> None:
+    """What an engine sends at each scheduler step: a ``batch`` of BATCH_STORES new prompts'
+    stores and the releases of the previous step's, pipelined BATCHES_IN_FLIGHT deep."""
+    rng = np.random.default_rng(6)
+    shared = _tokens(rng, 4)  # a common prefix: some blocks cached, some new
+
+    def requests(n: int) -> list[dict[str, Any]]:
+        steps = []
+        for step in range(BATCHES_IN_FLIGHT):
+            ids = [f"step-{n}-{step}-{i}" for i in range(BATCH_STORES)]
+            stores = [
+                {"op": "store", "request_id": rid, "token_ids": shared + _tokens(rng, 12)}
+                for rid in ids
+            ]
+            releases = [{"op": "release", "request_id": rid} for rid in previous]
+            steps.append({"op": "batch", "rank": 0, "requests": [*stores, *releases]})
+            previous[:] = ids
+        return steps
+
+    previous: list[str] = []
+    request_loop(
+        control,
+        spec.control_endpoint,
+        requests,
+        "batched-stores",
+        reply_timeout=60,
+        tolerated=CLOSED,
+        pipelined=True,
+    )
+
+
+def priority_flood(control: LoadControl, spec: LoadSpec) -> None:
+    """A client pipelining small ops that go on a worker's priority connection (``stats``,
+    ``ping``), far deeper than it takes at once: the rest wait in the client's lane."""
+    request_loop(
+        control,
+        spec.control_endpoint,
+        lambda n: [{"op": "stats" if i % 2 else "ping"} for i in range(PRIORITY_FLOOD_DEPTH)],
+        "priority-flood",
+        reply_timeout=60,
         pipelined=True,
     )
 
@@ -197,9 +245,11 @@ LOADS = {
     "big-stores": big_stores,
     "cached-stores": cached_stores,
     "small-stores": small_stores,
+    "batched-stores": batched_stores,
     "checksums": checksums,
     "snapshots": snapshots,
     "replay-flood": replay_flood,
+    "priority-flood": priority_flood,
     "vanishing-clients": vanishing_clients,
     "dying-clients": dying_clients,
 }
