@@ -5,6 +5,7 @@ connection, where a reset of any client is read next; nothing long nor deep goes
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ class Worker:
     sock: zmq.Socket[bytes]
     lanes: dict[bytes, str] = field(default_factory=dict)  # routing id -> "bulk"/"priority"
     got: list[tuple[str, dict[str, Any], list[bytes]]] = field(default_factory=list)
+    seen: list[tuple[str, str]] = field(default_factory=list)  # (connection, op), answered too
 
     def read(self) -> None:
         while self.sock.poll(0):
@@ -39,6 +41,12 @@ class Worker:
             if identity not in self.lanes:  # the link's own probe, naming its connection
                 self.lanes[identity] = request["lane"]
             self.got.append((self.lanes[identity], request, [identity, correlation, empty]))
+            self.seen.append((self.lanes[identity], request.get("op", "?")))
+
+    def has_seen(self, lane: str, op: str) -> bool:
+        """Whether a request of ``op`` came on ``lane``, once what came is read."""
+        self.read()
+        return (lane, op) in self.seen
 
     def holds(self, count: int) -> bool:
         """Whether ``count`` requests (or more) are here, once what came is read."""
@@ -194,3 +202,29 @@ async def test_what_a_lane_holds_is_answered_unavailable_when_its_worker_dies(
     assert len(got) == count
     assert all(msgpack.unpackb(r)["error"]["code"] == "unavailable" for r in got)
     assert rig.front._held[0] == [0, 0]
+
+
+async def test_a_dead_clients_store_held_in_its_lane_is_released_after_the_worker_has_it(
+    rig: Rig,
+) -> None:
+    """A client pipelines stats and a store and dies (no grace): its store waits in its lane
+    behind the stats. The release for its death once went to the worker at once, ahead of
+    the store, which then pinned its blocks for good: this side had forgotten the request."""
+    settings = Settings.model_validate({"control": {"orphan_grace_ms": 0}})
+    front = RankFront(settings, lambda rank: rig.link, NullMetrics(), epoch=1)
+    owner = ("ipc", 4242)
+    front.owners.connected(owner)
+    for request in ({"op": "stats", "id": 1}, store(2)):
+        frame = msgpack.packb(request)
+        front.handle(parse_request(frame, 1 << 30, 1 << 30), owner, frame, (b"dies",))
+    await until(lambda: rig.worker.holds(1), "the stats")
+    front.owners.disconnected(owner)
+    for _ in range(3):  # loop turns, counted: the grace of 0 runs out in the next one
+        await asyncio.sleep(0)
+    rig.worker.answer_all("stats")
+    await until(lambda: rig.worker.has_seen("bulk", "store"), "the store")
+    rig.worker.answer_all("store")
+    await until(lambda: rig.worker.has_seen("bulk", "release"), "the release")
+    sent = [op for lane, op in rig.worker.seen if lane == "bulk" and op != "?"]  # not probes
+    assert sent == ["store", "release"]
+    assert front.open_requests(0) == 0

@@ -153,6 +153,8 @@ class _OpenRequest:
     # Stored, as far as this side knows: the worker answered the store ok. A store still on
     # its way counts as open (a reset must not miss it) but a forced reset cannot close it.
     confirmed: bool = False
+    # Its client went away while the store was on its way: released once it is answered.
+    orphaned: bool = False
 
 
 class RankFront:
@@ -324,8 +326,17 @@ class RankFront:
         return entry.rank
 
     def _release_orphan(self, request_id: RequestId) -> None:
-        entry = self._forget(request_id)
-        link = self._links(entry.rank) if entry is not None else None
+        """Release a request whose client went away. Not before its store was answered: held
+        in its client's lane, the store reached the worker after a release sent at once, and
+        its blocks stayed pinned for good (this side had forgotten the request)."""
+        entry = self._open.get(request_id)
+        if entry is None:
+            return
+        if not entry.confirmed:
+            entry.orphaned = True  # see _settle_store
+            return
+        self._forget(request_id)
+        link = self._links(entry.rank)
         if link is not None:
             link.request(_encoder.encode(Release(request_id=request_id)))
 
@@ -404,6 +415,8 @@ class RankFront:
             return  # released, or closed by the worker's death, meanwhile
         if reply is not None and reply_error(reply) is None:
             opened.confirmed = True
+            if opened.orphaned:
+                self._release_orphan(request_id)
         else:
             self._forget(request_id)
             self.owners.drop(request_id)
