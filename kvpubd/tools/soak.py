@@ -23,7 +23,9 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import random
+import shutil
 import signal
+import tempfile
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 RANKS = 2
 RESET_TIMEOUT_S = 30.0
 CHECKPOINT_EVERY_S = 10.0
+PINS_DEADLINE_S = 30.0  # past the orphan grace, for what the loads left open to be released
 
 
 FOLLOWERS = ("replay", "snapshot")  # how each follower repairs: see _follow
@@ -140,6 +143,22 @@ def run_soak(
         raise ValueError(f"unknown load(s) {', '.join(unknown)}; known: {', '.join(LOADS)}")
 
     raise_fd_limit(4096)
+    control_dir = tempfile.mkdtemp(prefix="kvs", dir="/tmp")  # ipc paths: ~107 bytes at most
+    try:
+        return _soak(names, duration_s, seed, progress, reloads, rank_processes, control_dir)
+    finally:
+        shutil.rmtree(control_dir, ignore_errors=True)
+
+
+def _soak(
+    names: list[str],
+    duration_s: float,
+    seed: int,
+    progress: Any,
+    reloads: bool,
+    rank_processes: RankProcessesMode,
+    control_dir: str,
+) -> dict[str, Any]:
     overrides: dict[str, dict[str, Any]] = {
         "cache": {
             "num_layers": 1,
@@ -152,7 +171,13 @@ def run_soak(
         # The snapshot endpoint on: the snapshot follower bootstraps from it (and every batch
         # carries the publisher id, which the replay follower reads past).
         "events": {"buffer_steps": 1000, "snapshot_endpoint": True},
-        "control": {"orphan_grace_ms": int(ORPHAN_GRACE_S * 1000)},
+        # The control socket over ipc, as an engine beside the daemon uses it: each client is
+        # its process there, so what a load that dies or goes away left open is released
+        # (over tcp every client of this host is one, kept by the prober's connection).
+        "control": {
+            "orphan_grace_ms": int(ORPHAN_GRACE_S * 1000),
+            "endpoint": f"ipc://{control_dir}/control",
+        },
         "service": {"log_level": "warning", "rank_processes": rank_processes},
     }
     daemon: DaemonProcess = start_with_free_ports(overrides)
@@ -238,6 +263,7 @@ def run_soak(
                 follower.join(10)
                 if follower.is_alive():
                     follower.kill()
+        report["pins_left"] = _pins_left(probe)
         probe.close()
         # At log level warning: what went wrong, in the daemon's words.
         warnings = daemon.log().splitlines()
@@ -263,9 +289,27 @@ def run_soak(
         and not lost
         and not report["load_failures"]
         and not report["daemon_log"]["errors"]  # a bug logged (a task destroyed pending, say)
+        and not report["pins_left"]
         and bool(report["daemon"].get("alive_at_end"))
     )
     return report
+
+
+def _pins_left(probe: Any) -> dict[str, str]:
+    """Once every load is gone: what is still open or pinned on each rank (after the orphan
+    grace, nothing should be: every load's connection is closed, so the daemon releases what
+    it left open). Empty when nothing is; the last counts after PINS_DEADLINE_S else."""
+    deadline = time.monotonic() + ORPHAN_GRACE_S + PINS_DEADLINE_S
+    while True:
+        ranks = probe.client.stats().ranks
+        left = {
+            f"rank {r.rank}": f"{r.requests_open} requests open, {r.blocks_pinned} blocks pinned"
+            for r in ranks
+            if r.requests_open or r.blocks_pinned
+        }
+        if not left or time.monotonic() > deadline:
+            return left
+        probe.drain_sub(0.05)
 
 
 def _checkpoint(
@@ -316,7 +360,8 @@ def bench_soak(
     """Every load at once (large, cached and small stores, checksums, snapshots, a replay
     flood, dying clients, reloads) while resets are timed and a follower's mirrors are
     checked against snapshots; exit 1 on a divergence, a lost reset, a load's request
-    refused or unanswered, an error the daemon logged, or a dead daemon."""
+    refused or unanswered, an error the daemon logged, blocks left pinned once every load is
+    gone, or a dead daemon."""
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("soak", total=None)
         try:
@@ -345,6 +390,8 @@ def bench_soak(
         )
         for line in report["divergences"]:
             print(f"  divergence: {line}")
+        for rank, left in report["pins_left"].items():
+            print(f"  left pinned once every load was gone: {rank}: {left}")
         for ran in report["loads"]:
             for failure in ran.get("first_failures") or []:
                 print(f"  {ran['load']}: {failure}")
