@@ -3,16 +3,16 @@
 A store costs a few microseconds per block (hash chain, prefix match, pin, eviction, index,
 pool, capture) and a release about one (unpin), so one of thousands of blocks would hold a
 reset back for tens of milliseconds. Such a store is hashed, matched, pinned and inserted, and
-such a release unpinned, ``TURN_UNITS`` blocks' worth of work per loop turn; a reset in between
+such a release unpinned, a slice (``SLICE_BLOCKS``) per loop turn; a reset in between
 wins: the store starts again on the emptied cache (its hashes are kept), the release is done
 (the reset unpinned everything).
 
 While one is under way, every later store and release of the rank queues behind it: they apply
 in arrival order, and none changes which blocks are cached or pinned between another's slices
 (a store's prefix match and room check stay true until it pins them). Queued small ones share
-the same budget per turn, each costing ``REQUEST_UNITS`` besides its blocks: thousands
-pipelined behind a large store never run in one step when it ends. The queue is bounded in
-requests and in tokens, and lookups by request id are O(1).
+a budget per turn (``TURN_UNITS``), each costing ``REQUEST_UNITS`` besides its blocks:
+thousands pipelined behind a large store never run in one step when it ends. The queue is
+bounded in requests and in tokens, and lookups by request id are O(1).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ T = TypeVar("T")
 
 SYNC_BLOCKS = 512  # full blocks a store (or a release) may cover and still run in one step
 SLICE_BLOCKS = 512  # blocks hashed, matched, pinned, inserted or unpinned at a time
-TURN_UNITS = SLICE_BLOCKS  # work per loop turn, in blocks
+# Work per loop turn, in blocks: many small queued stores a turn, or one slice of a large one
+# (see operations.BATCH_SYNC_S for what the turn's length costs a reset).
+TURN_UNITS = 256
 # What a request costs besides its blocks (its lease, its reply, the reply's send), in blocks:
 # an empty store (~30 us: lease, reply, send) costs about as much as inserting 32 blocks.
 REQUEST_UNITS = 32
