@@ -194,11 +194,8 @@ def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
             if key == "requests":
                 # A batch's, with token lists inside: skipped in C here, decoded in one call
                 # once the op is known (see _batch), as a batch that leads with its op is.
-                skipper = _unpacker(frame, pos, None)
-                skipper.skip()
-                end = pos + skipper.tell()
-                obj[key] = msgspec.Raw(view[pos:end])
-                base = end
+                base = _end_of_value(frame, pos)
+                obj[key] = msgspec.Raw(view[pos:base])
                 walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
                 continue
             located = array_header(frame, pos) if key in INT_LIST_FIELDS else None
@@ -238,11 +235,8 @@ def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
                     obj.get("id"),
                 )
             # Skipped in C (a short array), then the walk goes on behind it.
-            skipper = _unpacker(frame, pos, None)
-            skipper.skip()
-            end = pos + skipper.tell()
-            obj[key] = msgspec.Raw(view[pos:end])
-            base = end
+            base = _end_of_value(frame, pos)
+            obj[key] = msgspec.Raw(view[pos:base])
             walker = _unpacker(frame, base, MAX_OTHER_ITEMS)
         trailing = base + walker.tell() < len(frame)
     except ProtocolError:
@@ -252,6 +246,13 @@ def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
     if trailing:
         raise ProtocolError("bad_request", "request is not one msgpack object: extra data")
     return obj
+
+
+def _end_of_value(frame: bytes, start: int) -> int:
+    """Where the msgpack value at ``start`` ends: skipped in C, nothing decoded."""
+    skipper = _unpacker(frame, start, None)
+    skipper.skip()
+    return start + int(skipper.tell())
 
 
 def _unpacker(frame: bytes, start: int, max_items: int | None) -> msgpack.Unpacker:
