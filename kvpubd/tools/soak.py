@@ -55,11 +55,11 @@ PINS_DEADLINE_S = 30.0  # past the orphan grace, for what the loads left open to
 FOLLOWERS = ("replay", "snapshot")  # how each follower repairs: see _follow
 
 
-def _follow(endpoints: dict[str, str], conn: Any, how: str) -> None:
+def _follow(endpoints: dict[str, str], conn: Any, how: str, host_medium: str | None) -> None:
     """A follower process: a Subscriber mirroring every rank, repairing through replay and
     the control snapshot (``how`` "replay") or bootstrapping from the snapshot endpoint
     ("snapshot"); on "check" it compares each mirror with the daemon's snapshot at the same
-    seq."""
+    seq. ``host_medium``: the medium of the daemon's host tier, if it has one."""
     from kvpubd.client import ControlClient, Subscriber
 
     repair: dict[str, Any] = (
@@ -73,6 +73,7 @@ def _follow(endpoints: dict[str, str], conn: Any, how: str) -> None:
             ranks=RANKS,
             control_timeout=60,
             replay_timeout=30,
+            host_medium=host_medium,
             **repair,
         ) as sub,
         ControlClient(endpoints["control"], timeout=60) as client,
@@ -82,13 +83,15 @@ def _follow(endpoints: dict[str, str], conn: Any, how: str) -> None:
                 if conn.recv() == "stop":
                     conn.send({})
                     return
-                found = [d for r in range(RANKS) for d in _check(sub, client, r)]
+                found = [d for r in range(RANKS) for d in _check(sub, client, r, host_medium)]
                 conn.send({"divergences": [f"{how} follower: {d}" for d in found]})
             with contextlib.suppress(TimeoutError):
                 sub.receive(0.05)
 
 
-def _check(sub: Any, client: Any, rank: int, attempts: int = 60) -> list[str]:
+def _check(
+    sub: Any, client: Any, rank: int, host_medium: str | None, attempts: int = 60
+) -> list[str]:
     """The rank's mirror against its snapshot. A load's operation still finishing may publish
     after the snapshot (a large store on a CPU-starved machine takes seconds): then the mirror
     is past it and a newer snapshot is taken, for up to ``attempts`` half seconds. A real
@@ -104,7 +107,7 @@ def _check(sub: Any, client: Any, rank: int, attempts: int = 60) -> list[str]:
                 sub.receive(0.05)
         if (sub.last_seq(rank) or -1) < snap.seq:
             return [f"rank {rank}: never reached seq {snap.seq}"]
-        expected = Mirror()
+        expected = Mirror(host_medium=host_medium)
         expected.apply(snap.events)
         mirror = sub.mirror(rank)
         have = set() if mirror is None else held_blocks(mirror)
@@ -119,11 +122,13 @@ def _check(sub: Any, client: Any, rank: int, attempts: int = 60) -> list[str]:
     return [problem]
 
 
-def held_blocks(mirror: Mirror) -> set[tuple[int | None, BlockHash]]:
-    """(group_idx, hash) of every block a mirror holds (None: events without a group)."""
-    held: set[tuple[int | None, BlockHash]] = {(None, h) for h in mirror.blocks}
+def held_blocks(mirror: Mirror) -> set[tuple[int | str | None, BlockHash]]:
+    """(group_idx, hash) of every block a mirror holds (None: events without a group;
+    "host": the host tier's)."""
+    held: set[tuple[int | str | None, BlockHash]] = {(None, h) for h in mirror.blocks}
     for group_idx, blocks in mirror.group_blocks.items():
         held.update((group_idx, h) for h in blocks)
+    held.update(("host", h) for h in mirror.host_blocks)
     return held
 
 
@@ -134,9 +139,11 @@ def run_soak(
     loads_run: list[str] | None = None,
     reloads: bool = True,
     rank_processes: RankProcessesMode = "auto",
+    host_blocks: int = 0,
 ) -> dict[str, Any]:
     """The soak with ``loads_run`` (default: all of LOADS), SIGHUPs now and then if
-    ``reloads``, the daemon's ``service.rank_processes`` as given."""
+    ``reloads``, the daemon's ``service.rank_processes`` and ``cache.host_blocks`` (a host
+    tier per rank) as given."""
     names = [name for name in LOADS if name not in OPT_IN] if loads_run is None else loads_run
     unknown = [name for name in names if name not in LOADS]
     if unknown:
@@ -145,7 +152,9 @@ def run_soak(
     raise_fd_limit(4096)
     control_dir = tempfile.mkdtemp(prefix="kvs", dir="/tmp")  # ipc paths: ~107 bytes at most
     try:
-        return _soak(names, duration_s, seed, progress, reloads, rank_processes, control_dir)
+        return _soak(
+            names, duration_s, seed, progress, reloads, rank_processes, host_blocks, control_dir
+        )
     finally:
         shutil.rmtree(control_dir, ignore_errors=True)
 
@@ -157,6 +166,7 @@ def _soak(
     progress: Any,
     reloads: bool,
     rank_processes: RankProcessesMode,
+    host_blocks: int,
     control_dir: str,
 ) -> dict[str, Any]:
     overrides: dict[str, dict[str, Any]] = {
@@ -167,6 +177,7 @@ def _soak(
             "dtype": "uint8",
             "num_blocks": NUM_BLOCKS,
             "data_parallel_size": RANKS,
+            "host_blocks": host_blocks,
         },
         # The snapshot endpoint on: the snapshot follower bootstraps from it (and every batch
         # carries the publisher id, which the replay follower reads past).
@@ -181,6 +192,7 @@ def _soak(
         "service": {"log_level": "warning", "rank_processes": rank_processes},
     }
     daemon: DaemonProcess = start_with_free_ports(overrides)
+    host_medium = "CPU" if host_blocks else None  # cache.host_medium's default
     ctx = multiprocessing.get_context("spawn")
     spec = LoadSpec(
         "soak",
@@ -201,7 +213,7 @@ def _soak(
     pipes = [ctx.Pipe() for _ in FOLLOWERS]
     commands = [ours for ours, _ in pipes]
     followers = [
-        ctx.Process(target=_follow, args=(endpoints, theirs, how), daemon=True)
+        ctx.Process(target=_follow, args=(endpoints, theirs, how, host_medium), daemon=True)
         for (_, theirs), how in zip(pipes, FOLLOWERS, strict=True)
     ]
     probe = ResetProbe(daemon)
@@ -225,7 +237,7 @@ def _soak(
         while (now := time.monotonic()) < started + duration_s:
             if now >= next_checkpoint:
                 checkpoints += 1
-                divergences += _checkpoint(control, probe, commands, answer_s)
+                divergences += _checkpoint(control, probe, commands, followers, answer_s)
                 next_checkpoint = time.monotonic() + CHECKPOINT_EVERY_S
             time.sleep(rng.uniform(0.05, 0.25))
             if reloads and rng.random() < 0.05 and daemon.proc is not None:
@@ -241,7 +253,7 @@ def _soak(
             if progress is not None:
                 progress(f"soak: {len(markers)} resets, {now - started:.0f}/{duration_s:.0f} s")
         checkpoints += 1
-        divergences += _checkpoint(control, probe, commands, answer_s)
+        divergences += _checkpoint(control, probe, commands, followers, answer_s)
     finally:
         control.stop.set()
         control.go.set()
@@ -313,11 +325,16 @@ def _pins_left(probe: Any) -> dict[str, str]:
 
 
 def _checkpoint(
-    control: LoadControl, probe: Any, commands: list[Any], answer_s: dict[str, float]
+    control: LoadControl,
+    probe: Any,
+    commands: list[Any],
+    followers: list[Any],
+    answer_s: dict[str, float],
 ) -> list[str]:
     """Loads hold still (what is in flight finishes), the daemon publishes what it captured,
     then each follower compares its mirrors with the snapshots; ``answer_s`` keeps each
-    follower's slowest answer (seconds from the check sent)."""
+    follower's slowest answer (seconds from the check sent). A follower that died (its
+    subscriber refused what it got, say) is named at once, not waited for."""
     control.go.clear()
     try:
         time.sleep(1.0)  # in-flight operations of the loads finish (a tool, not a test)
@@ -332,12 +349,15 @@ def _checkpoint(
         found: list[str] = []
         # Answers as they come: a slow follower is named as such, not the one read after it.
         waiting = dict(zip(commands, FOLLOWERS, strict=True))
+        sentinels = dict(zip(commands, (f.sentinel for f in followers), strict=True))
         while waiting and (left := sent + 180 - time.monotonic()) > 0:
-            ready = multiprocessing.connection.wait(list(waiting), left)
+            ready = multiprocessing.connection.wait([*waiting, *sentinels.values()], left)
             for command in [c for c in waiting if c in ready]:
                 how = waiting.pop(command)
                 answer_s[how] = max(answer_s.get(how, 0.0), time.monotonic() - sent)
                 found += command.recv()["divergences"]
+            for command in [c for c in waiting if sentinels[c] in ready]:
+                found.append(f"the {waiting.pop(command)} follower died (see its stderr)")
         found += [f"the {how} follower did not answer a checkpoint" for how in waiting.values()]
         return found
     finally:
@@ -355,6 +375,9 @@ def bench_soak(
     rank_processes: Annotated[
         RankProcessesMode, typer.Option(help="the daemon's service.rank_processes")
     ] = "auto",
+    host_blocks: Annotated[
+        int, typer.Option(help="the daemon's cache.host_blocks: a host tier per rank", min=0)
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Every load at once (large, cached and small stores, checksums, snapshots, a replay
@@ -372,6 +395,7 @@ def bench_soak(
                 loads_run=load or None,
                 reloads=reloads,
                 rank_processes=rank_processes,
+                host_blocks=host_blocks,
             )
         except ValueError as exc:
             raise fail(f"--load: {exc}", USAGE) from None
