@@ -255,8 +255,7 @@ def _soak(
         checkpoints += 1
         divergences += _checkpoint(control, probe, commands, followers, answer_s)
     finally:
-        control.stop.set()
-        control.go.set()
+        _let_go(control, loads)
         results = []
         for _ in loads:
             try:
@@ -324,6 +323,17 @@ def _pins_left(probe: Any) -> dict[str, str]:
         probe.drain_sub(0.05)
 
 
+def _let_go(control: LoadControl, loads: list[Any]) -> None:
+    """Tell the loads to stop, unless one was killed: a shared event's set() waits for every
+    process waiting on it to wake, and one killed while waiting never does (a signal to the
+    whole process group, as ``timeout`` sends, left the soak hung there for good). The loads
+    left are killed by the cleanup then."""
+    if any(process.exitcode not in (None, 0) for process in loads):
+        return
+    control.stop.set()
+    control.go.set()
+
+
 def _checkpoint(
     control: LoadControl,
     probe: Any,
@@ -333,35 +343,43 @@ def _checkpoint(
 ) -> list[str]:
     """Loads hold still (what is in flight finishes), the daemon publishes what it captured,
     then each follower compares its mirrors with the snapshots; ``answer_s`` keeps each
-    follower's slowest answer (seconds from the check sent). A follower that died (its
-    subscriber refused what it got, say) is named at once, not waited for."""
+    follower's slowest answer (seconds from the check sent)."""
     control.go.clear()
-    try:
-        time.sleep(1.0)  # in-flight operations of the loads finish (a tool, not a test)
-        deadline = time.monotonic() + 60
-        while any(r.events_pending for r in probe.client.stats().ranks):
-            if time.monotonic() > deadline:
-                return ["the daemon never published what it captured"]
-            probe.drain_sub(0.01)
-        for command in commands:
-            command.send("check")
-        sent = time.monotonic()
-        found: list[str] = []
-        # Answers as they come: a slow follower is named as such, not the one read after it.
-        waiting = dict(zip(commands, FOLLOWERS, strict=True))
-        sentinels = dict(zip(commands, (f.sentinel for f in followers), strict=True))
-        while waiting and (left := sent + 180 - time.monotonic()) > 0:
-            ready = multiprocessing.connection.wait([*waiting, *sentinels.values()], left)
-            for command in [c for c in waiting if c in ready]:
-                how = waiting.pop(command)
-                answer_s[how] = max(answer_s.get(how, 0.0), time.monotonic() - sent)
-                found += command.recv()["divergences"]
-            for command in [c for c in waiting if sentinels[c] in ready]:
-                found.append(f"the {waiting.pop(command)} follower died (see its stderr)")
-        found += [f"the {how} follower did not answer a checkpoint" for how in waiting.values()]
-        return found
-    finally:
-        control.go.set()
+    found = _compare(probe, commands, followers, answer_s)
+    control.go.set()  # not on an error: run_soak's own cleanup sets what is safe to set
+    return found
+
+
+def _compare(
+    probe: Any, commands: list[Any], followers: list[Any], answer_s: dict[str, float]
+) -> list[str]:
+    """Each follower's mirrors against the snapshots, once the daemon published what it
+    captured; ``answer_s`` keeps each follower's slowest answer (seconds from the check
+    sent). A follower that died (its subscriber refused what it got, say) is named at once,
+    not waited for."""
+    time.sleep(1.0)  # in-flight operations of the loads finish (a tool, not a test)
+    deadline = time.monotonic() + 60
+    while any(r.events_pending for r in probe.client.stats().ranks):
+        if time.monotonic() > deadline:
+            return ["the daemon never published what it captured"]
+        probe.drain_sub(0.01)
+    for command in commands:
+        command.send("check")
+    sent = time.monotonic()
+    found: list[str] = []
+    # Answers as they come: a slow follower is named as such, not the one read after it.
+    waiting = dict(zip(commands, FOLLOWERS, strict=True))
+    sentinels = dict(zip(commands, (f.sentinel for f in followers), strict=True))
+    while waiting and (left := sent + 180 - time.monotonic()) > 0:
+        ready = multiprocessing.connection.wait([*waiting, *sentinels.values()], left)
+        for command in [c for c in waiting if c in ready]:
+            how = waiting.pop(command)
+            answer_s[how] = max(answer_s.get(how, 0.0), time.monotonic() - sent)
+            found += command.recv()["divergences"]
+        for command in [c for c in waiting if sentinels[c] in ready]:
+            found.append(f"the {waiting.pop(command)} follower died (see its stderr)")
+    found += [f"the {how} follower did not answer a checkpoint" for how in waiting.values()]
+    return found
 
 
 def bench_soak(
