@@ -33,12 +33,41 @@ LOAD_RANK = 1
 POLL_MS = 100  # how often a blocked load process looks at stop and go
 
 
+class SharedFlag:
+    """A flag the processes of one multiprocessing context share, without a lock or condition
+    anyone waits on. A multiprocessing Event's set() waits for every process waiting on it to
+    wake, and one killed while waiting never does: a signal to the whole process group (as
+    ``timeout`` sends) left a bench hung in set() for good. Waiting polls, every 5 ms."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._value = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def clear(self) -> None:
+        self._value.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the flag is set, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._value.value:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.005, left))  # polling: nothing here can be left waiting
+        return True
+
+
 @dataclass
 class LoadControl:
     """The shared flags and counters of one load's processes."""
 
-    go: Any
-    stop: Any
+    go: SharedFlag
+    stop: SharedFlag
     ops: Any
     ready: Any  # processes set up (connected, connections opened)
     results: Any
@@ -46,7 +75,8 @@ class LoadControl:
     @classmethod
     def shared(cls, ctx: Any) -> LoadControl:
         """Fresh flags and counters that the processes of the multiprocessing ``ctx`` share."""
-        return cls(ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue())
+        flags = SharedFlag(ctx), SharedFlag(ctx)
+        return cls(*flags, ctx.Value("q", 0), ctx.Value("q", 0), ctx.Queue())
 
     def set_ready(self) -> None:
         with self.ready.get_lock():

@@ -255,7 +255,8 @@ def _soak(
         checkpoints += 1
         divergences += _checkpoint(control, probe, commands, followers, answer_s)
     finally:
-        _let_go(control, loads)
+        control.stop.set()
+        control.go.set()
         results = []
         for _ in loads:
             try:
@@ -323,17 +324,6 @@ def _pins_left(probe: Any) -> dict[str, str]:
         probe.drain_sub(0.05)
 
 
-def _let_go(control: LoadControl, loads: list[Any]) -> None:
-    """Tell the loads to stop, unless one was killed: a shared event's set() waits for every
-    process waiting on it to wake, and one killed while waiting never does (a signal to the
-    whole process group, as ``timeout`` sends, left the soak hung there for good). The loads
-    left are killed by the cleanup then."""
-    if any(process.exitcode not in (None, 0) for process in loads):
-        return
-    control.stop.set()
-    control.go.set()
-
-
 def _checkpoint(
     control: LoadControl,
     probe: Any,
@@ -346,7 +336,7 @@ def _checkpoint(
     follower's slowest answer (seconds from the check sent)."""
     control.go.clear()
     found = _compare(probe, commands, followers, answer_s)
-    control.go.set()  # not on an error: run_soak's own cleanup sets what is safe to set
+    control.go.set()  # on an error, run_soak's cleanup stops the loads
     return found
 
 
