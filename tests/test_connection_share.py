@@ -1,7 +1,8 @@
 """How many of a capped listener's connections one peer may hold (conn_cap): a quarter of the
 cap, but never fewer than 4 where the cap allows. A rank worker's private control socket, on a
-small fd budget, has a small cap, and the service's two connections to it (bulk and priority)
-come from one process: with a share of 1, the second was hung up each time it connected."""
+small fd budget, has a small cap, and the service's connections to it (bulk, priority and
+reset) come from one process: with a share of 1, the second was hung up each time it
+connected."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from pathlib import Path
 import zmq
 
 from kvpubd.daemon.conn_cap import ConnectionCap
+from kvpubd.daemon.rank_link import Conn
 from tests.loop_turns import until
 
 
-async def test_one_process_keeps_two_connections_to_a_listener_of_cap_four(
+async def test_one_process_keeps_a_links_connections_to_a_listener_of_cap_four(
     tmp_path: Path,
 ) -> None:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -29,15 +31,16 @@ async def test_one_process_keeps_two_connections_to_a_listener_of_cap_four(
     def read() -> bool:
         while router.poll(0):
             got.append(router.recv_multipart()[1])
-        return len(got) == 2
+        return len(got) == len(Conn)
 
     try:
-        for name in (b"bulk", b"priority"):
+        names = [conn.name.encode() for conn in Conn]
+        for name in names:
             dealer = context.socket(zmq.DEALER)
             dealer.connect(endpoint)
             dealer.send(name)
         await until(read, "a message on each connection")
-        assert sorted(got) == [b"bulk", b"priority"]
+        assert sorted(got) == sorted(names)
         assert guard.shed == 0
     finally:
         guard.close()

@@ -1,7 +1,8 @@
 """Which connection to a rank's worker the service of rank processes puts each client's
 requests on (rank_front): seen at a stand-in worker, a real ROUTER that notes the connection
 each request came on and answers when the test says. Small control ops go on the priority
-connection, where a reset of any client is read next; nothing long nor deep goes there."""
+connection and resets on the reset one, where a reset of any client is read next; nothing long
+nor deep goes on either."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import zmq
 from kvpubd.daemon import rank_front
 from kvpubd.daemon.hooks import NullMetrics
 from kvpubd.daemon.rank_front import PRIORITY_DEPTH, RankFront
-from kvpubd.daemon.rank_link import RankLink
+from kvpubd.daemon.rank_link import Conn, RankLink
 from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.control_frames import parse_request
 from tests.loop_turns import until
@@ -30,7 +31,7 @@ class Worker:
     """A stand-in rank worker: the requests it got, by connection, unanswered till told."""
 
     sock: zmq.Socket[bytes]
-    lanes: dict[bytes, str] = field(default_factory=dict)  # routing id -> "bulk"/"priority"
+    lanes: dict[bytes, str] = field(default_factory=dict)  # routing id -> "bulk", "reset", ...
     got: list[tuple[str, dict[str, Any], list[bytes]]] = field(default_factory=list)
     seen: list[tuple[str, str]] = field(default_factory=list)  # (connection, op), answered too
 
@@ -91,9 +92,9 @@ async def rig() -> AsyncIterator[Rig]:
     link = RankLink(context, "inproc://worker", 0)
     link.start()
     # One request on each connection names it to the worker (answered: nothing in flight).
-    for lane, priority in (("bulk", False), ("priority", True)):
-        link.request(msgpack.packb({"lane": lane}), priority=priority)
-    await until(lambda: worker.holds(2), "both connections")
+    for conn in Conn:
+        link.request(msgpack.packb({"lane": conn.name.lower()}), conn)
+    await until(lambda: worker.holds(len(Conn)), "every connection")
     worker.answer_all()
     await until(lambda: link.in_flight == 0, "the probes' replies")
     front = RankFront(Settings(), lambda rank: link, NullMetrics(), epoch=1)
@@ -118,7 +119,8 @@ async def test_stores_behind_a_clients_unanswered_stats_wait_and_go_on_the_bulk_
         rig.send(b"engine", store(n))
     rig.send(b"other", {"op": "reset", "id": 9, "force": True})
     await until(lambda: rig.worker.holds(2), "stats and reset")
-    assert rig.worker.on("priority") == ["stats", "reset"]
+    assert rig.worker.on("priority") == ["stats"]
+    assert rig.worker.on("reset") == ["reset"]
     assert rig.worker.on("bulk") == []
     rig.worker.answer_all()  # the stats answered: the stores go, in order, on the bulk one
     await until(lambda: rig.worker.holds(3), "the stores")
@@ -139,7 +141,7 @@ async def test_a_flood_of_small_ops_puts_at_most_priority_depth_on_the_priority_
     assert rig.worker.on("bulk") == []
 
 
-async def test_a_reset_held_behind_a_clients_own_stats_goes_on_the_priority_connection(
+async def test_a_reset_held_behind_a_clients_own_stats_goes_on_the_reset_connection(
     rig: Rig,
 ) -> None:
     """Once the client's stats ahead of it are answered, its reset goes where other clients'
@@ -153,7 +155,20 @@ async def test_a_reset_held_behind_a_clients_own_stats_goes_on_the_priority_conn
     rig.worker.answer_all("stats")  # the engine's stores stay unanswered
     await until(lambda: rig.worker.holds(4), "the reset")
     assert rig.worker.on("bulk") == ["store"] * 3
-    assert rig.worker.on("priority") == ["reset"]
+    assert rig.worker.on("reset") == ["reset"]
+
+
+async def test_a_reset_is_not_queued_behind_another_clients_small_ops(rig: Rig) -> None:
+    """A client's stats fill its share of the priority connection, each read in turn with a
+    store; another client's reset goes on the reset connection, read next. It once waited
+    behind them all on the priority connection: eight turns of the worker's connections."""
+    rig.send(b"engine", store(0))
+    for n in range(PRIORITY_DEPTH):
+        rig.send(b"monitor", {"op": "stats", "id": n})
+    rig.send(b"router", {"op": "reset", "id": 99, "force": True})
+    await until(lambda: rig.worker.holds(2 + PRIORITY_DEPTH), "the store, stats and reset")
+    assert rig.worker.on("priority") == ["stats"] * PRIORITY_DEPTH
+    assert rig.worker.on("reset") == ["reset"]
 
 
 async def test_a_store_held_behind_priority_ops_takes_the_lane_to_the_bulk_connection(

@@ -75,7 +75,7 @@ class ConnectionCap:
         # client that leaks connections, or opens them to lock others out, reached the cap
         # alone and closed the listener to everyone (the control socket deaf to resets).
         # Never below 4 (the cap allowing): a worker's private control socket, with a small
-        # cap on a small fd budget, must still take the service's two connections.
+        # cap on a small fd budget, must still take the service's three connections.
         self.share = min(self.cap, max(4, self.cap // 4))
         self._peers: dict[str, int] = {}  # connections counted per peer
         self._peer_of: dict[int, str] = {}  # by fd, the counted connections' peers

@@ -34,7 +34,7 @@ from kvpubd.daemon.endpoint_lock import check_owner_only, ipc_path, lock_path, m
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import RequestOwners
 from kvpubd.daemon.rank_front import RankFront, decode_ok
-from kvpubd.daemon.rank_link import RankLink
+from kvpubd.daemon.rank_link import Conn, RankLink
 from kvpubd.daemon.rank_processes import RankProcess, WorkerFailed
 from kvpubd.daemon.rank_worker import WorkerSpec
 from kvpubd.daemon.service import Service
@@ -167,7 +167,7 @@ class ProcessService(Service):
         link.start()
         try:
             reply = await asyncio.wait_for(
-                _settled(link.request(_encoder.encode(Ping()), priority=True)), ANSWER_TIMEOUT_S
+                _settled(link.request(_encoder.encode(Ping()), Conn.PRIORITY)), ANSWER_TIMEOUT_S
             )
             (endpoints,) = decode_ok(reply, PingReply).endpoints
         except (asyncio.TimeoutError, CacheError, ValueError) as exc:
@@ -307,7 +307,7 @@ class ProcessService(Service):
         """Read every running worker's stats (for a scrape); a worker that does not answer in
         STATS_TIMEOUT_S keeps its last ones."""
         ranks = list(self._links.items())
-        replies = [link.request(_encoder.encode(Stats()), priority=True) for _, link in ranks]
+        replies = [link.request(_encoder.encode(Stats()), Conn.PRIORITY) for _, link in ranks]
         for (rank, _), reply in zip(ranks, replies, strict=True):
             with contextlib.suppress(Exception):
                 frame = await asyncio.wait_for(_settled(reply), STATS_TIMEOUT_S)

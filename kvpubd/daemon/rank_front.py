@@ -30,7 +30,7 @@ from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.operations import settled_reply
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
-from kvpubd.daemon.rank_link import LinkLost, RankLink
+from kvpubd.daemon.rank_link import Conn, LinkLost, RankLink
 from kvpubd.daemon.settings import Settings
 from kvpubd.protocol.control import (
     Batch,
@@ -119,22 +119,30 @@ def decode_ok(frame: zmq.Frame, reply_type: type[R]) -> R:
 
 
 # Ops a client with nothing on its way to a worker sends on the priority connection (see
-# rank_link): small, and what must not wait behind other clients' stores.
+# rank_link): small, and what must not wait behind other clients' stores. A reset goes on the
+# reset connection, where no other client's small ops are ahead of it.
 PRIORITY_OPS = (Reset, Stats, Pause, Resume, Ping)
-# A client's requests on the priority connection at once; more wait here (see _send), so that
-# one client's flood of small ops cannot queue far ahead of another client's reset.
+# A client's requests on the priority (or reset) connection at once; more wait here (see
+# _send), so that one client's flood of small ops cannot queue far ahead of another's.
 PRIORITY_DEPTH = 8
+
+
+def conn_of(request: Request) -> Conn:
+    """The connection a request goes on when its client has nothing on its way."""
+    if isinstance(request, Reset):
+        return Conn.RESET
+    return Conn.PRIORITY if isinstance(request, PRIORITY_OPS) else Conn.BULK
 
 
 @dataclass
 class _Held:
     """A request waiting in its client's lane: where it goes, what it is, its reply to come,
-    and whether it is an op of PRIORITY_OPS."""
+    and the connection it goes on when nothing of its client is on its way (``conn_of``)."""
 
     link: RankLink
     body: bytes
     reply: Pending[zmq.Frame]
-    priority: bool
+    conn: Conn
 
 
 @dataclass
@@ -142,7 +150,7 @@ class _Lane:
     """The connection one client's requests to one worker are on, while any is on its way,
     and the requests of that client waiting here for those to be answered."""
 
-    priority: bool
+    conn: Conn
     in_flight: int = 0
     held: list[_Held] = field(default_factory=list)
 
@@ -182,7 +190,7 @@ class RankFront:
         # Requests (and their bytes) held in lanes, by rank: counted against the in-flight caps.
         self._held: dict[int, list[int]] = {rank: [0, 0] for rank in self._ranks}
         self._route: Route | None = None  # of the request being handled (None: the service)
-        self._priority = True  # it may go on the priority connection
+        self._conn = Conn.PRIORITY  # where it goes when its client has nothing on its way
         control = settings.control
         self.owners = RequestOwners(
             self._release_orphan,
@@ -209,7 +217,7 @@ class RankFront:
         self, request: Request, owner: Owner | None = None, frame: bytes = b"", route: Route = ()
     ) -> Reply:
         op = op_of(request)
-        self._route, self._priority = route, isinstance(request, PRIORITY_OPS)
+        self._route, self._conn = route, conn_of(request)
         try:
             reply = self._handlers[type(request)](request, owner, frame)
         except CacheError as exc:
@@ -220,7 +228,7 @@ class RankFront:
             self._metrics.control(op, "internal")
             return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
         finally:
-            self._route, self._priority = None, True
+            self._route, self._conn = None, Conn.PRIORITY
         if isinstance(reply, bytes):
             self._metrics.control(op, reply_error(reply))
         else:
@@ -499,27 +507,27 @@ class RankFront:
 
     def _send(self, link: RankLink, body: bytes) -> Pending[zmq.Frame]:
         """Send on the connection the current client's requests to this worker are on, if
-        any is on its way (one client's requests are never reordered); else on the priority
-        one for its small control ops, the bulk one for the rest. The service's own requests
-        (no client) go on the priority one.
+        any is on its way (one client's requests are never reordered); else on the reset
+        connection for a reset, the priority one for its other small ops, the bulk one for
+        the rest (``conn_of``). The service's own requests (no client) go on the priority one.
 
-        The priority connection carries nothing long nor deep: an op not of PRIORITY_OPS
-        (a store, say) behind the client's ops on it, or more than PRIORITY_DEPTH of them,
-        waits here until they are answered (see _answered). A store once went on the
-        priority connection, where another client's reset waited behind a whole flood of
-        stores."""
+        The priority and reset connections carry nothing long nor deep: a request for another
+        connection (a store, say) behind the client's ops on one of them, or more than
+        PRIORITY_DEPTH of them, waits here until they are answered (see _answered). A store
+        once went on the priority connection, where another client's reset waited behind a
+        whole flood of stores."""
         route = self._route
         if route is None:
-            return link.request(body, priority=True)
+            return link.request(body, Conn.PRIORITY)
         key = (route, link.rank)
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = _Lane(self._priority)
+            lane = self._lanes[key] = _Lane(self._conn)
         elif lane.held or (
-            lane.priority and (not self._priority or lane.in_flight >= PRIORITY_DEPTH)
+            lane.conn != Conn.BULK and (self._conn != lane.conn or lane.in_flight >= PRIORITY_DEPTH)
         ):
             reply: Pending[zmq.Frame] = Pending()
-            lane.held.append(_Held(link, body, reply, self._priority))
+            lane.held.append(_Held(link, body, reply, self._conn))
             held = self._held[link.rank]
             held[0] += 1
             held[1] += len(body)
@@ -530,17 +538,18 @@ class RankFront:
         self, key: tuple[Route, int], lane: _Lane, link: RankLink, body: bytes
     ) -> Pending[zmq.Frame]:
         lane.in_flight += 1
-        reply = link.request(body, priority=lane.priority)
+        reply = link.request(body, lane.conn)
         reply.then(lambda _, __: self._answered(key, lane))
         return reply
 
     def _answered(self, key: tuple[Route, int], lane: _Lane) -> None:
         """One of a lane's requests was answered: once none is on its way, what it held goes
-        on. Ops of PRIORITY_OPS at its head stay on the priority connection, PRIORITY_DEPTH at
-        most, the rest waiting for their turn again (a reset held behind the client's own
-        stats once went on the bulk connection, behind every other client's stores); a
-        request of another kind at its head takes the lane, and all it held, to the bulk one.
-        A lane with nothing on its way or held is done."""
+        on, on the connection of the request at its head. Small ops (or resets) at its head go
+        on theirs, PRIORITY_DEPTH at most and only as far as the same connection's run goes,
+        the rest waiting for their turn again (a reset held behind the client's own stats once
+        went on the bulk connection, behind every other client's stores); a request for the
+        bulk connection at its head takes the lane, and all it held, there. A lane with
+        nothing on its way or held is done."""
         lane.in_flight -= 1
         if lane.in_flight:
             return
@@ -558,14 +567,14 @@ class RankFront:
                 self._unhold(entry)
                 entry.reply.fail(lost)
             return
-        run = 0
-        while run < min(len(held), PRIORITY_DEPTH) and held[run].priority:
-            run += 1
-        if run:
-            going, lane.held = held[:run], held[run:]
-        else:
+        lane.conn = held[0].conn
+        if lane.conn == Conn.BULK:
             going, lane.held = held, []
-            lane.priority = False
+        else:
+            run = 1
+            while run < min(len(held), PRIORITY_DEPTH) and held[run].conn == lane.conn:
+                run += 1
+            going, lane.held = held[:run], held[run:]
         for entry in going:
             self._unhold(entry)
             self._request(key, lane, entry.link, entry.body).then(_settles(entry.reply))

@@ -1,14 +1,16 @@
-"""The service's control connection to one rank worker: two DEALERs on the worker's private
+"""The service's control connection to one rank worker: three DEALERs on the worker's private
 endpoint. Each request goes out as ``[correlation, b"", request]`` and its reply comes back
 through the same envelope (the worker's control server answers through any envelope), so
 replies that finish out of order (a store done in slices, a snapshot) still find their
 request.
 
-Two connections, because the worker's ROUTER reads its connections in turn, as a daemon reads
-its clients': stores go on the bulk one, and a reset from a client with nothing on its way to
-that worker goes on the other, so it is read next, not behind every store the service has
-forwarded for all clients (``RankFront`` picks; one client's requests stay on one connection
-while any is on its way, so they are never reordered).
+Three connections, because the worker's ROUTER reads its connections in turn, as a daemon
+reads its clients': stores go on the bulk one, small ops (stats, ping, pause) on the priority
+one, and a reset from a client with nothing on its way to that worker on the reset one, so it
+is read next: not behind every store the service has forwarded for all clients, nor behind
+another client's small ops, each of which waited its turn with a store (``RankFront`` picks;
+one client's requests stay on one connection while any is on its way, so they are never
+reordered).
 
 Served from the loop like every ZeroMQ socket here: the reader drains a bounded number of
 replies per wake-up, and after each send the socket's events are read again (a send can
@@ -17,6 +19,7 @@ clear the edge-triggered FD while a reply waits, which would leave it unread).""
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 
@@ -34,6 +37,14 @@ _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _LAST = int(zmq.NOBLOCK)
 
 
+class Conn(enum.IntEnum):
+    """The connections of a link, by what they carry (see above)."""
+
+    BULK = 0
+    PRIORITY = 1
+    RESET = 2
+
+
 class LinkLost(RuntimeError):
     """The worker went away (died, restarted or stopped) before it answered."""
 
@@ -42,12 +53,12 @@ class RankLink:
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str, rank: int) -> None:
         self.rank = rank
         self.endpoint = endpoint
-        self._socks = (_dealer(context, endpoint), _dealer(context, endpoint))
+        self._socks = tuple(_dealer(context, endpoint) for _ in Conn)
         self._fds: list[int] = []
         self._waiting: dict[bytes, tuple[Pending[zmq.Frame], int]] = {}
         self.bytes_in_flight = 0
         self._ids = itertools.count()
-        self._read_scheduled = [False, False]
+        self._read_scheduled = [False] * len(Conn)
         self._closed = False
 
     @property
@@ -68,15 +79,14 @@ class RankLink:
             loop.add_reader(fd, self._read, lane)
             loop.call_soon(self._read, lane)
 
-    def request(self, frame: bytes | zmq.Frame, priority: bool = False) -> Pending[zmq.Frame]:
-        """Send one request frame (on the priority connection if ``priority``); its reply
-        frame, or LinkLost."""
+    def request(self, frame: bytes | zmq.Frame, conn: Conn = Conn.BULK) -> Pending[zmq.Frame]:
+        """Send one request frame on connection ``conn``; its reply frame, or LinkLost."""
         reply: Pending[zmq.Frame] = Pending()
         if self._closed:
             reply.fail(LinkLost(f"rank {self.rank}'s worker is not running"))
             return reply
         correlation = next(self._ids).to_bytes(_CORRELATION, "big")
-        lane = int(priority)
+        lane = int(conn)
         send = self._socks[lane].send
         send(correlation, _MORE)
         send(b"", _MORE)
