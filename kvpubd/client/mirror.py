@@ -72,8 +72,6 @@ class Mirror:
     _learned_size: bool = field(default=False, repr=False)
     # Host blocks a clear dropped whose removal may still come (see above).
     _cleared_host: set[BlockHash] = field(default_factory=set, repr=False)
-    # The media stores named: two of them without host_medium is a host tier not told of.
-    _media: set[str | None] = field(default_factory=set, repr=False)
 
     def group(self, group_idx: int | None) -> Blocks:
         """The blocks a group holds (``None``: the events without ``group_idx``); empty for a
@@ -149,12 +147,13 @@ class Mirror:
             blocks = self.group_blocks.get(group_idx) or {}
         parent = event.parent_block_hash
         where = "" if group_idx is None else f" in group {group_idx}"
-        self._media.add(event.medium)
         if parent is not None and check_parent and parent not in blocks:
             hint = ""
-            if self.host_medium is None and len(self._media) > 1:
-                media = ", ".join(sorted(map(str, self._media)))
-                hint = f" (stores name media {media}: with a host tier, pass host_medium)"
+            # Two media live in one map: a host tier not told of (walked on this error only).
+            media = {event.medium, *(block.medium for block in blocks.values())}
+            if self.host_medium is None and len(media) > 1:
+                named = ", ".join(sorted(map(str, media)))
+                hint = f" (stores name media {named}: with a host tier, pass host_medium)"
             raise MirrorError(f"BlockStored parent {parent!r} is not live{where}{hint}")
         extra_keys = event.extra_keys
         if extra_keys is not None and len(extra_keys) != len(event.block_hashes):
