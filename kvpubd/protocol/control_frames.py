@@ -73,9 +73,7 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
         raise ProtocolError(
             "too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}", peek_id(frame)
         )
-    if len(frame) <= ONE_CALL_BYTES or _leading_op(frame) == "batch":
-        # A batch's token lists lie inside its requests, where the walk below does not go:
-        # decoded in one call (each list kept as its bytes), bounded by the frame's size.
+    if len(frame) <= ONE_CALL_BYTES:
         try:
             request = _decoder.decode(frame)
         except msgspec.DecodeError:
@@ -83,6 +81,8 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
         else:
             _check_int_lists(request, max_tokens)
             return request
+    elif _leading_op(frame) == "batch":
+        return _batch(frame, max_tokens)  # one call, refused or not: not decoded, then walked
     else:
         packed = _store_of_packed_tokens(frame)
         if packed is not None:  # a bin: no count to check against max_tokens
@@ -112,14 +112,16 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
     return converted
 
 
-def _batch(frame: bytes, max_tokens: int, request_id: Any) -> Request:
-    """A batch, decoded in one call (its token lists lie inside its requests; the frame's
-    size bounds the call) whatever the order of its keys, or ProtocolError naming the field.
-    A batch larger than ONE_CALL_BYTES that did not lead with its op was walked as any other
+def _batch(frame: bytes, max_tokens: int, request_id: Any = None) -> Request:
+    """A batch, decoded in one call (its token lists lie inside its requests, where the walk
+    does not go; the frame's size bounds the call) whatever the order of its keys, or
+    ProtocolError naming the field and the batch's id (``request_id``, or looked for). A
+    batch larger than ONE_CALL_BYTES that did not lead with its op was walked as any other
     request, its token lists taken for lists of anything: refused, every one."""
     try:
         request = _decoder.decode(frame)
     except msgspec.ValidationError as exc:
+        request_id = peek_id(frame) if request_id is None else request_id
         raise ProtocolError("bad_request", describe(exc), request_id) from None
     except msgspec.DecodeError as exc:
         raise ProtocolError("bad_request", f"request is not one msgpack object: {exc}") from None
