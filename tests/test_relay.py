@@ -139,6 +139,48 @@ def test_a_fence_ends_after_its_timeout_and_at_an_engine_restart() -> None:
     assert rank.out(stored(1)) == [stored(1)]
 
 
+def test_a_loss_while_fencing_leaves_the_fence_on() -> None:
+    """Batches lost (or seqs that went back) after a reset: the marker again, and the
+    engine's events are still dropped up to its clear, which the loss may or may not have
+    taken (only a restarted engine, which holds nothing from before, ends the fence)."""
+    rank = make()
+    rank.out(stored(1, 2))
+    rank.relay.clear(fence=True)
+    rank.relay.restart("2 engine batch(es) lost", new_engine=False)
+    assert rank.sink.drain() == [AllBlocksCleared()]
+    assert rank.out(stored(777)) == []  # from before the engine's clear
+    assert rank.out(AllBlocksCleared(), stored(888)) == [stored(888)]
+    assert rank.held() == {888}
+
+
+def test_a_second_reset_that_called_the_engine_waits_for_its_second_clear() -> None:
+    """Two resets, each calling the engine (reset_url): what the engine stored between its
+    two clears is from before the second reset."""
+    rank = make()
+    rank.out(stored(1))
+    rank.relay.clear(fence=True, engine_called=True)
+    rank.relay.clear(fence=True, engine_called=True)
+    assert rank.out(AllBlocksCleared(), stored(5)) == []
+    assert rank.out(AllBlocksCleared(), stored(6)) == [stored(6)]
+    # A reset that did not call the engine adds no clear to wait for.
+    rank.relay.clear(fence=True, engine_called=True)
+    rank.relay.clear(fence=True)
+    assert rank.out(AllBlocksCleared(), stored(7)) == [stored(7)]
+
+
+def test_a_second_reset_leaves_a_per_block_engines_fence_on() -> None:
+    """TensorRT-LLM: after two resets back to back, the engine's events are dropped until it
+    has removed every block it held at the first."""
+    rank = make("trtllm")
+    rank.out(stored(1, 2))
+    rank.relay.clear(fence=True)
+    rank.relay.clear(fence=True)
+    assert rank.out(stored(778)) == []  # stored before its reset, still in its queue
+    assert rank.relay.fencing
+    assert rank.out(removed(1, 2), stored(5)) == [stored(5)]
+    assert rank.held() == {5}
+
+
 def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
     rank = make()
     rank.out(stored(1, 2))

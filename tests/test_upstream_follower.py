@@ -186,9 +186,38 @@ async def test_an_engine_restart_is_detected(engine: Engine) -> None:
     assert seqs(after) == list(range(engine.published))
     assert [b.events for b in after] == [[engine.expected(k)] for k in range(RESTARTED_KEYS, key)]
     assert after[0].condition & Condition.RESTART
+    assert after[0].condition & Condition.NEW_ENGINE  # its connection was lost first
     assert not any(b.condition & Condition.RESTART for b in after[1:])
     assert collector.follower.counters.restarts == 1
     assert collector.follower.counters.lost == 0
+
+
+async def test_seqs_that_go_back_on_a_connection_kept_are_not_a_new_engine_for_certain(
+    engine: Engine, relay: Relay
+) -> None:
+    """The engine restarts behind a relay that keeps the follower's connection, and the new
+    engine's seqs reach the follower below the next it expects: RESTART (its history is taken
+    again from seq 0), but not NEW_ENGINE, which an engine's seqs going back alone cannot
+    tell (a reset's fence stays on: see Relay.restart)."""
+    collector = Collector(follower(engine, relay.endpoint))
+    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+    for _ in range(20):
+        engine.publish(key)
+        key += 1
+    before = key
+    await collector.until(lambda: len(collector.batches) == before, "the first engine's")
+    engine.shutdown()
+    engine.start()
+    key = await publish_until(
+        engine, collector, lambda: len(collector.batches) > before, RESTARTED_KEYS
+    )
+    await collector.until(lambda: len(collector.batches) == before + engine.published, "all")
+    await collector.stop()
+    after = collector.batches[before:]
+    assert engine.published < before  # went back
+    assert seqs(after) == list(range(engine.published))
+    assert after[0].condition & Condition.RESTART
+    assert not after[0].condition & Condition.NEW_ENGINE
 
 
 async def test_a_restart_whose_seqs_passed_ours_is_detected(engine: Engine, relay: Relay) -> None:
@@ -214,7 +243,7 @@ async def test_a_restart_whose_seqs_passed_ours_is_detected(engine: Engine, rela
     after = collector.batches[before:]
     assert seqs(after) == list(range(engine.published))
     assert [b.events for b in after] == [[engine.expected(k)] for k in range(RESTARTED_KEYS, key)]
-    assert after[0].condition == Condition.REPLAYED | Condition.RESTART
+    assert after[0].condition == Condition.REPLAYED | Condition.RESTART | Condition.NEW_ENGINE
     assert collector.follower.counters.restarts == 1
 
 
@@ -251,7 +280,7 @@ async def test_a_restart_whose_seqs_continue_ours_is_detected(engine: Engine, re
     after = collector.batches[before:]
     assert seqs(after) == list(range(engine.published))
     assert [b.events for b in after] == [[engine.expected(k)] for k in range(RESTARTED_KEYS, key)]
-    assert after[0].condition == Condition.REPLAYED | Condition.RESTART
+    assert after[0].condition == Condition.REPLAYED | Condition.RESTART | Condition.NEW_ENGINE
     assert after[-1].condition == Condition.NONE  # the live one, after its history
     assert collector.follower.counters.restarts == 1
 
@@ -339,7 +368,7 @@ async def test_a_restart_during_a_silence_is_found_by_the_idle_check(
     assert [b.events for b in after] == [
         [engine.expected(k)] for k in range(RESTARTED_KEYS, RESTARTED_KEYS + before + 2)
     ]
-    assert after[0].condition == Condition.REPLAYED | Condition.RESTART
+    assert after[0].condition == Condition.REPLAYED | Condition.RESTART | Condition.NEW_ENGINE
     assert all(b.condition == Condition.REPLAYED for b in after[1:])
     assert collector.follower.counters.restarts == 1
 
@@ -368,5 +397,5 @@ async def test_a_restart_with_fewer_batches_during_a_silence_is_found(
     await collector.stop()
     (after,) = collector.batches[before:]
     assert (after.seq, after.events) == (0, [engine.expected(RESTARTED_KEYS)])
-    assert after.condition == Condition.REPLAYED | Condition.RESTART
+    assert after.condition == Condition.REPLAYED | Condition.RESTART | Condition.NEW_ENGINE
     assert collector.follower.counters.restarts == 1

@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
-import urllib.request
 import uuid
 from typing import Any
 
@@ -22,6 +20,7 @@ import zmq
 from kvpubd.daemon.cache import CacheError, RankCache, StoreResult, UnpinParts
 from kvpubd.daemon.drain import Drain
 from kvpubd.daemon.encoded import reply_ids
+from kvpubd.daemon.engine_reset import EngineResetCaller
 from kvpubd.daemon.groups import pool_group_tag
 from kvpubd.daemon.history import RESTART_OVERLAP, History, seq_origin
 from kvpubd.daemon.hooks import MetricsHooks
@@ -168,6 +167,9 @@ class RankPipeline:
         self.relay: Relay | None = None
         self._follower: EngineFollower | None = None
         self._following: asyncio.Task[None] | None = None
+        self._engine_reset = (
+            EngineResetCaller(upstream.reset_url) if upstream.on and upstream.reset_url else None
+        )
         if upstream.on:
             self.relay = Relay(
                 self.sink,
@@ -236,10 +238,13 @@ class RankPipeline:
         try:
             async for batch in follower:
                 if batch.condition:
-                    if batch.condition & Condition.RESTART:
+                    if batch.condition & Condition.NEW_ENGINE:
                         relay.restart("the engine restarted")
+                    elif batch.condition & Condition.RESTART:
+                        relay.restart("the engine's seqs went back (restarted)", new_engine=False)
                     elif batch.condition & Condition.LOST:
-                        relay.restart(f"{batch.missing_before} engine batch(es) lost")
+                        lost = f"{batch.missing_before} engine batch(es) lost"
+                        relay.restart(lost, new_engine=False)
                 events = batch.events
                 for start in range(0, len(events), TURN_EVENTS):
                     part = events[start : start + TURN_EVENTS]
@@ -385,11 +390,12 @@ class RankPipeline:
         retired = self.cache.clear(every_tier)
         published = self.sink.cleared(every_tier)
         if self.relay is not None:
-            self.relay.clear(fence=True)  # the engine's events from before its clear are void
+            # Queued for the engine's thread, called once the marker is out (this step): the
+            # engine's events from before its clear are void.
+            called = self._engine_reset is not None and self._engine_reset.call()
+            self.relay.clear(fence=True, engine_called=called)
         self.resets += 1
         seq = self.flush() if self._flush_on_reset else None
-        if self.relay is not None and self._upstream.reset_url:
-            _call_engine_reset(self._upstream.reset_url)
         self._scrub_freed()
         self._reaper.retire(retired, *published)
         if self.cache.host is not None and (self._backlog is None or self._backlog.done()):
@@ -686,18 +692,3 @@ def _no_pool(cache: CacheConfig) -> CacheConfig:
             "rank_devices": [],
         }
     )
-
-
-def _call_engine_reset(url: str) -> None:
-    """POST to the engine's own reset (upstream.reset_url) in a thread: the loop never waits
-    for the engine, and a failure is one log line."""
-
-    def call() -> None:
-        try:
-            request = urllib.request.Request(url, data=b"", method="POST")
-            with urllib.request.urlopen(request, timeout=10) as response:
-                log.info("upstream: %s answered %d", url, response.status)
-        except (OSError, ValueError) as exc:
-            log.warning("upstream: the engine's reset %s failed: %s", url, exc)
-
-    threading.Thread(target=call, name="kvpubd engine reset", daemon=True).start()

@@ -16,9 +16,11 @@ captures what routers need into the rank's sink:
   the engine's blocks, never a block it dropped);
 - after a reset on the control socket (whose marker the pipeline publishes at once), the
   engine's own events from before its clear are dropped: up to and including its
-  ``AllBlocksCleared``, or, for an engine that sends per-block removals instead (TensorRT-LLM),
-  until it has removed every block it held at the reset; at most ``clear_timeout`` seconds
-  either way.
+  ``AllBlocksCleared`` (its last, where resets while fencing called it again), or, for an
+  engine that sends per-block removals instead (TensorRT-LLM), until it has removed every
+  block it held at the first reset; at most ``clear_timeout`` seconds after the last reset
+  either way. A loss meanwhile, or seqs that went back with no sign of a new engine, leave the
+  fence on; a restarted engine ends it.
 
 The live blocks are one published record, in publication order, each entry keeping the store
 that published it (a block has no object of its own): snapshots, replays of lost history and the
@@ -50,6 +52,7 @@ from kvpubd.protocol.wire import (
 log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
+RESTART_LOG_EVERY_S = 10.0  # one warning for restarts and losses that come faster
 Lane = tuple[int | None, str | None]  # group_idx, medium
 # A block's key: its hash in the first lane the engine stored in since the relay was last
 # cleared (vLLM's GPU group 0: the common case, no object made per block), (lane number,
@@ -108,6 +111,13 @@ class Relay:
         # After a reset: None (not fencing), else the deadline and, for per-block engines,
         # the keys the engine must still remove.
         self._fence_until: float | None = None
+        # Of an engine that clears with AllBlocksCleared: its clears the fence still waits for
+        # (one per reset that called the engine while a fence was on: each makes one more).
+        self._clears_due = 0
+        # While a loss or a restart not known for one voids the blocks: a fence stays on.
+        self._keeping_fence = False
+        self._restart_logged_at = -1e9  # a flood of restarts is not a flood of log lines
+        self._restarts_unlogged = 0
         # A per-block engine's blocks at the reset that it must still remove, and their lanes.
         self._fence_blocks: tuple[Blocks, dict[Lane, int]] | None = None
         self._decoded: tuple[BlockStored, list[Any], dict[BlockHash, int]] | None = None
@@ -130,15 +140,25 @@ class Relay:
 
     # -- what the control socket does -------------------------------------------------------
 
-    def clear(self, fence: bool = False) -> None:
+    def clear(self, fence: bool = False, engine_called: bool = False) -> None:
         """Forget every block in O(1) (the pipeline publishes the marker); the old containers
         go to the reaper. ``fence``: a reset on the control socket, after which the engine's
-        events from before its own clear are dropped (see the module docstring)."""
+        events from before its own clear are dropped (see the module docstring);
+        ``engine_called``: the reset asked the engine to clear (upstream.reset_url)."""
         old, lanes = self._blocks, self._lanes
         self._blocks, self._lanes, self._decoded = ValuedRecord(), {}, None
+        if self._keeping_fence or (fence and self._fence_until is not None):
+            # A loss, or a reset while fencing (nothing was followed since the fence began):
+            # the engine's clear is still to come, and after a second call, one more.
+            if fence:
+                self._fence_until = time.monotonic() + self._clear_timeout
+                self._clears_due += int(engine_called)
+            self._retire(old)
+            return
         self._end_fence()
         if fence:
             self._fence_until = time.monotonic() + self._clear_timeout
+            self._clears_due = 1
             if self._clears_per_block and len(old):
                 # What the engine must remove (retired once it has).
                 old.close_views()  # no snapshot reads it any more
@@ -154,11 +174,24 @@ class Relay:
 
     # -- what the engine publishes -----------------------------------------------------------
 
-    def restart(self, why: str) -> None:
-        """The engine restarted, or batches were lost: what it published before is void (a
-        restarted engine holds nothing from before a reset either: no fence is left)."""
-        log.warning("upstream: %s; publishing AllBlocksCleared", why)
-        self._engine_cleared()
+    def restart(self, why: str, new_engine: bool = True) -> None:
+        """The engine restarted, or batches were lost: what it published before is void. A
+        fence ends only when ``new_engine`` (a restarted engine holds nothing from before a
+        reset): a loss may have taken the engine's clear or not, and seqs that only went back
+        (an engine out of order, or restarted behind a proxy) may be followed by its history
+        from seq 0, from before the reset."""
+        now = time.monotonic()
+        if now - self._restart_logged_at >= RESTART_LOG_EVERY_S:
+            more = f" ({self._restarts_unlogged} more since)" if self._restarts_unlogged else ""
+            log.warning("upstream: %s; publishing AllBlocksCleared%s", why, more)
+            self._restart_logged_at, self._restarts_unlogged = now, 0
+        else:
+            self._restarts_unlogged += 1
+        self._keeping_fence = not new_engine
+        try:
+            self._engine_cleared()
+        finally:
+            self._keeping_fence = False
 
     def apply(self, events: list[Event]) -> None:
         """Capture the engine's events of one batch. Removals back to back in one lane are
@@ -207,7 +240,9 @@ class Relay:
     def _fenced(self, event: Event) -> None:
         self.dropped_by_reset += 1
         if isinstance(event, AllBlocksCleared) and not self._clears_per_block:
-            self._end_fence()  # the engine's clear: what follows is after it
+            self._clears_due -= 1
+            if self._clears_due <= 0:
+                self._end_fence()  # the engine's (last) clear: what follows is after it
         elif isinstance(event, BlockRemoved) and self._fence_blocks is not None:
             held, lanes = self._fence_blocks
             number = lanes.get((event.group_idx, event.medium))
@@ -218,6 +253,7 @@ class Relay:
 
     def _end_fence(self) -> None:
         self._fence_until = None
+        self._clears_due = 0
         if self._fence_blocks is not None:
             self._retire(self._fence_blocks[0])
         self._fence_blocks = None

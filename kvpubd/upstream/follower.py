@@ -58,6 +58,9 @@ class Condition(enum.Flag):
     REPLAYED = enum.auto()  # this batch came from the replay socket (it filled a gap)
     LOST = enum.auto()  # batches before this one are missing for good (lost, or undecodable)
     RESTART = enum.auto()  # the engine restarted before this batch: all before it is void
+    # With RESTART: a new engine for certain (its connection was lost first, or its replay
+    # returned another batch where ours was), not only seqs that went back.
+    NEW_ENGINE = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ class EngineFollower:
                 return
             self._caught_up = None
         if self._last >= 0 and seq <= self._last:
-            self._restarted()
+            self._restarted(new_engine=self._disconnected)
         if seq > self._next_seq():
             self.counters.gaps += 1
             async for batch in self._fill(seq):
@@ -350,8 +353,9 @@ class EngineFollower:
         self._missing += count
         self._last, self._last_payload = self._next_seq() + count - 1, None
 
-    def _restarted(self) -> None:
+    def _restarted(self, new_engine: bool = True) -> None:
         """The engine started again: what was lost before no longer matters."""
         self.counters.restarts += 1
         self._first_seq, self._last, self._last_payload = 0, -1, None
-        self._pending, self._missing = Condition.RESTART, 0
+        self._pending = Condition.RESTART | (Condition.NEW_ENGINE if new_engine else Condition.NONE)
+        self._missing = 0
