@@ -350,6 +350,35 @@ def test_unusable_request_gets_error_and_changes_nothing(probe: Probe, name: str
     probe.fence_store()
 
 
+DEEP = 1000  # levels: past what msgspec decodes (it raises RecursionError, not DecodeError)
+
+
+@pytest.mark.parametrize("where", ["id", "id of a large frame", "id of a large batch"])
+def test_a_value_nested_too_deep_is_refused_and_the_socket_keeps_serving(
+    start_daemon: DaemonFactory, context: zmq.Context[zmq.Socket[bytes]], where: str
+) -> None:
+    """A request whose id nests 1000 arrays deep is refused, and the requests behind it on
+    the same connection are answered. It escaped the parser as a RecursionError; the reader
+    of the (edge-triggered) socket stopped there and no request of anyone's was answered
+    until a new connection woke it."""
+    deep_id = b"\x91" * DEEP + b"\x01"
+    if where == "id":
+        frame = b"\x82\xa2op\xa4ping\xa2id" + deep_id
+    elif where == "id of a large frame":
+        frame = b"\x83\xa2op\xa4ping\xa3pad" + pack("x" * 9000) + b"\xa2id" + deep_id
+    else:
+        requests = pack([{"op": "ping", "id": 1, "pad": "x" * 9000}])
+        frame = b"\x83\xa2op\xa5batch\xa8requests" + requests + b"\xa2id" + deep_id
+    sock = dealer(start_daemon(), context)  # the default limits: a large frame is 8 KiB+
+    try:
+        sock.send_multipart([b"", frame])
+        error = check_error_reply(recv_map(sock), None)
+        assert error["code"] == "bad_request", error
+        assert replies_before_fence(sock) == []  # the next request is answered
+    finally:
+        sock.close()
+
+
 def test_map_with_non_string_keys_is_refused_with_its_id(probe: Probe) -> None:
     """A map with a non-string key is a bad request; it is still a map with an id, so the
     error echoes the id (clients match replies by id)."""

@@ -174,28 +174,38 @@ class ControlServer:
             message = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             frames = [frame.bytes for frame in message]
             route = _route(frames)
-            reply: Reply | None = None
-            if route is None:
-                log.debug("control: dropped a message without the empty delimiter")
-            elif self._curve is not None and not self._curve.admits(
-                _metadata(message[-1], "User-Id")
-            ):
-                reply = self._revoked(frames, len(route))
-            else:
-                owner = owner_of_message(_metadata(message[-1], "Peer-Address"), self.endpoint)
-                reply = self.handle_frames(frames, owner)
-            if route is None or reply is None:
-                pass
-            elif isinstance(reply, bytes):
-                self._send(route, reply)
-            else:
-                reply.then(functools.partial(self._send_settled, route))
+            try:
+                self._answer(message, frames, route)
+            except Exception:
+                # A bug: the request is answered `internal` and the socket keeps being read
+                # (it is edge-triggered: a reader that stopped here would never wake again).
+                log.exception("control: a request failed")
+                if route is not None:
+                    self._send(route, error_reply(None, "internal", "the request failed"))
             budget -= len(frames[-1])
             if budget <= 0 or time.perf_counter() >= deadline:
                 break
         # More may be waiting: the loop gets a turn first.
         self._serve_scheduled = True
         asyncio.get_running_loop().call_soon(self._serve)
+
+    def _answer(
+        self, message: list[zmq.Frame], frames: list[bytes], route: tuple[bytes, ...] | None
+    ) -> None:
+        reply: Reply | None = None
+        if route is None:
+            log.debug("control: dropped a message without the empty delimiter")
+        elif self._curve is not None and not self._curve.admits(_metadata(message[-1], "User-Id")):
+            reply = self._revoked(frames, len(route))
+        else:
+            owner = owner_of_message(_metadata(message[-1], "Peer-Address"), self.endpoint)
+            reply = self.handle_frames(frames, owner)
+        if route is None or reply is None:
+            return
+        if isinstance(reply, bytes):
+            self._send(route, reply)
+        else:
+            reply.then(functools.partial(self._send_settled, route))
 
     def handle_frames(self, frames: list[bytes], owner: Owner | None = None) -> Reply | None:
         """Answer one ROUTER message ``[identity, (envelope...,) b"", request]`` from

@@ -457,7 +457,12 @@ def ok_reply_head(request_id: Any, reply: ControlReply) -> bytes:
 
 
 def error_reply(request_id: Any, code: str, message: str) -> bytes:
-    return _encoder.encode({"ok": False, "id": request_id, "error": ErrorDetail(code, message)})
+    """The error reply, echoing ``request_id`` where it encodes (an id of a refused request
+    may be nested deeper than msgspec goes: then the reply has none)."""
+    try:
+        return _encoder.encode({"ok": False, "id": request_id, "error": ErrorDetail(code, message)})
+    except (RecursionError, msgspec.EncodeError):
+        return _encoder.encode({"ok": False, "id": None, "error": ErrorDetail(code, message)})
 
 
 # -- decoding replies -----------------------------------------------------------------------

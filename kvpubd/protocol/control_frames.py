@@ -69,6 +69,17 @@ def parse_request(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
     """Validate one request frame, or raise ProtocolError. Its arrays of integers are kept as
     their msgpack bytes (``IntList``), not decoded; a ``token_ids`` array of more than
     ``max_tokens`` items is refused from its header alone."""
+    try:
+        return _parse(frame, max_bytes, max_tokens)
+    except ProtocolError:
+        raise
+    except RecursionError:
+        # Nested deeper than msgspec goes (it raises this, not a DecodeError); the id is not
+        # echoed: it may be what is nested, and would not encode either.
+        raise ProtocolError("bad_request", "request is nested too deep") from None
+
+
+def _parse(frame: bytes, max_bytes: int, max_tokens: int) -> Request:
     if len(frame) > max_bytes:
         raise ProtocolError(
             "too_large", f"request is {len(frame)} bytes; the limit is {max_bytes}", peek_id(frame)
