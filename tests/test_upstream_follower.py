@@ -399,3 +399,45 @@ async def test_a_restart_with_fewer_batches_during_a_silence_is_found(
     assert (after.seq, after.events) == (0, [engine.expected(RESTARTED_KEYS)])
     assert after.condition == Condition.REPLAYED | Condition.RESTART | Condition.NEW_ENGINE
     assert collector.follower.counters.restarts == 1
+
+
+async def test_a_message_over_the_payload_limit_loses_that_batch_and_no_more(
+    engine: Engine,
+) -> None:
+    """The engine publishes one batch larger than max_payload_bytes. ZeroMQ closes the
+    connection on it (a protocol error) and, unlike after a connection error, never connects
+    again: the follower heard nothing more of the engine. It connects again itself; the
+    batch, over the limit from replay too, is lost, and the engine is followed on."""
+    limit = 1 << 16
+    collector = Collector(
+        EngineFollower(
+            engine.endpoint,
+            engine.replay_endpoint,
+            flavour="sglang" if engine.flavour == "sglang" else "vllm",
+            max_payload_bytes=limit,
+        )
+    )
+    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+    await collector.until(lambda: collector.batches[-1].seq == key - 1, "the warm-up")
+    vllm_only = {"medium": "GPU", "lora_name": None} if engine.flavour == "vllm" else {}
+    big = engine.kv.BlockStored(
+        block_hashes=list(range(1, limit // 4)),
+        parent_block_hash=None,
+        token_ids=[7] * (limit // 2),
+        block_size=2,
+        lora_id=None,
+        **vllm_only,
+    )
+    big_seq = engine.publish_events([big])
+    # Until the follower has every batch after it (one it missed while connecting again is
+    # repaired by the next).
+    await publish_until(
+        engine, collector, lambda: collector.batches[-1].seq == engine.published - 1, key
+    )
+    await collector.stop()
+    after = [b for b in collector.batches if b.seq > big_seq]
+    assert big_seq not in seqs(collector.batches)
+    # Lost with it: what a repair's answer held behind it (the answer ends there too).
+    assert after[0].condition & Condition.LOST and after[0].missing_before >= 1
+    assert seqs(after) == list(range(after[0].seq, engine.published))
+    assert collector.follower.counters.reconnects >= 1

@@ -32,6 +32,7 @@ answer is bounded the same way (``max_replay_batches``) and every message by
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -84,6 +85,7 @@ class FollowerCounters:
     replays_cut_short: int = 0  # replay answers that fell silent or ran too long
     duplicates: int = 0  # live batches a catch-up (idle_check) had given out already
     replays_repeated: int = 0  # answers with batches dropped on the way, asked for again
+    reconnects: int = 0  # connections to the engine's PUB socket lost (and made again)
 
 
 OnBatch = Callable[[FollowedBatch], Awaitable[None] | None]
@@ -120,6 +122,7 @@ class EngineFollower:
         self._sub.setsockopt(zmq.MAXMSGSIZE, max_payload_bytes)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
+        self._endpoint = endpoint
         self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         # The same sockets, read without the loop (see _follow).
         self._sub_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
@@ -202,6 +205,7 @@ class EngineFollower:
             while await self._monitor.poll(0):
                 await self._monitor.recv_multipart()
                 self._disconnected = True
+                self._reconnect()
             if not ready:
                 async for batch in self._catch_up():
                     yield batch
@@ -224,6 +228,15 @@ class EngineFollower:
                     continue
                 async for batch in self._take(seq, payload):
                     yield batch
+
+    def _reconnect(self) -> None:
+        """Connect again at once. ZeroMQ reconnects by itself after a connection error, but not
+        after a protocol error: a message over ``max_payload_bytes`` closed the connection
+        for good, and the engine was never heard again."""
+        self.counters.reconnects += 1
+        with contextlib.suppress(zmq.ZMQError):
+            self._sub.disconnect(self._endpoint)
+        self._sub.connect(self._endpoint)
 
     def _next_seq(self) -> int:
         return self._last + 1 if self._last >= 0 else self._first_seq
