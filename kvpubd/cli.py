@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvpubd import __version__, interrupts
-from kvpubd.exits import FAILURE, INTERRUPTED, OK, TERMINATED, USAGE, check_positive, fail
+from kvpubd.exits import (
+    FAILURE,
+    HUNG_UP,
+    INTERRUPTED,
+    OK,
+    TERMINATED,
+    USAGE,
+    check_positive,
+    fail,
+)
 from kvpubd.protocol.endpoints import (
     CONTROL_ENDPOINT_ENV,
     CURVE_KEY_ENV,
@@ -739,5 +748,6 @@ def main() -> None:
         _silence_stdout()
     if code == INTERRUPTED:
         code = interrupts.exit_status()
-        typer.echo("kvpubd: " + ("terminated" if code == TERMINATED else "interrupted"), err=True)
+        ended = {TERMINATED: "terminated", HUNG_UP: "hung up"}.get(code, "interrupted")
+        typer.echo(f"kvpubd: {ended}", err=True)
     sys.exit(code)

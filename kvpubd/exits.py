@@ -9,6 +9,7 @@ FAILURE = 1  # at run time: the daemon refused, went away or never answered
 USAGE = 2  # the command line or the configuration is wrong; nothing was done
 INTERRUPTED = 130  # Ctrl-C (SIGINT)
 TERMINATED = 143  # SIGTERM (a CI cancel, a supervisor); `serve` exits 0 on it
+HUNG_UP = 129  # SIGHUP (the terminal closed); `serve` reloads its config on it
 
 
 def fail(message: str, code: int = FAILURE) -> typer.Exit:

@@ -1,8 +1,9 @@
 """How a ``kvpubd`` tool ends on a signal.
 
-SIGTERM (a CI cancel, a supervisor) unwinds the tool as Ctrl-C does, so every ``with`` block
-that owns a child daemon, a temp dir or open requests cleans up; the command then exits 143
-instead of 130. ``serve`` keeps its own handlers (both signals are its normal stop)."""
+SIGTERM (a CI cancel, a supervisor) and SIGHUP (the terminal closed) unwind the tool as Ctrl-C
+does, so every ``with`` block that owns a child daemon, a temp dir or open requests cleans up;
+the command then exits 143 or 129 instead of 130. ``serve`` keeps its own handlers (SIGINT and
+SIGTERM are its normal stop, SIGHUP its reload)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
 from typing import Any
 
-from kvpubd.exits import INTERRUPTED, TERMINATED
+from kvpubd.exits import HUNG_UP, INTERRUPTED, TERMINATED
 
 _received: list[int] = []  # the signals that unwound the tool, first first
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived. A KeyboardInterrupt, so that whatever cleans up after Ctrl-C (and
+    """SIGTERM or SIGHUP arrived. A KeyboardInterrupt, so that whatever cleans up after Ctrl-C (and
     whatever turns Ctrl-C into status 130) does the same for it; ``exit_status`` tells them
     apart afterwards."""
 
@@ -30,13 +31,17 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def terminate_like_interrupt() -> None:
-    """From here on SIGTERM raises ``Terminated`` in the main thread."""
+    """From here on SIGTERM and SIGHUP raise ``Terminated`` in the main thread. (A SIGHUP
+    left to its default ended the tool at once: its temp dir stayed behind.)"""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGHUP, _on_sigterm)
 
 
 def exit_status() -> int:
-    """130, or 143 when SIGTERM was what stopped the tool."""
-    return TERMINATED if signal.SIGTERM in _received else INTERRUPTED
+    """130, or 143 (129) when SIGTERM (SIGHUP) was what stopped the tool."""
+    if not _received:
+        return INTERRUPTED
+    return TERMINATED if _received[0] == signal.SIGTERM else HUNG_UP
 
 
 def _restore(handlers: Mapping[int, Any]) -> None:
