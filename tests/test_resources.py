@@ -86,6 +86,8 @@ def start_capped(daemon: Daemon) -> tuple[Path, int, int]:
     listener, the fds it has open once started)."""
     daemon.start(preexec_fn=low_fd_limit)
     assert daemon.proc is not None
+    # A limit this low is warned of: an ipc burst may outrun the reserve (libzmq aborts).
+    assert f"the limit is {DAEMON_FDS}; below 1024" in daemon.log()
     fds = Path(f"/proc/{daemon.proc.pid}/fd")
     cap = int(re.search(r"at most (\d+) per listener", daemon.log()).group(1))  # type: ignore[union-attr]
     return fds, cap, len(os.listdir(fds))

@@ -20,6 +20,11 @@ FD_RESERVE_FRACTION = 0.5
 # Below this the reserve leaves the listeners no connections at all: a start would only
 # fail later, at the first few clients (libzmq aborts when an accept finds no fd).
 MIN_FD_LIMIT = 128
+# Below this a start is warned: libzmq's IO thread accepts an ipc listener's connections as
+# fast as they come, before the loop has heard of them and closed the listener at its cap, and
+# a burst of a few hundred (one local process's) used up a reserve of 64-128 and aborted the
+# daemon (TCP listeners survive that: their accept takes EMFILE).
+SAFE_FD_LIMIT = 1024
 
 
 def raise_fd_limit() -> int:

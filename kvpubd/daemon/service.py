@@ -253,6 +253,14 @@ class Service:
                 f"the file descriptor limit is {limit}: kvpubd needs at least "
                 f"{resources.MIN_FD_LIMIT} (raise it with ulimit -n or LimitNOFILE=)"
             )
+        if limit < resources.SAFE_FD_LIMIT:
+            log.warning(
+                "file descriptors: the limit is %d; below %d a burst of connections to an "
+                "ipc endpoint can use up the reserve before its cap closes it, and libzmq "
+                "then aborts the daemon (raise it with ulimit -n or LimitNOFILE=)",
+                limit,
+                resources.SAFE_FD_LIMIT,
+            )
         self._check_memory()
         self._context = new_context()
         self.control = ControlServer(
