@@ -228,6 +228,37 @@ async def test_the_queue_is_bounded_in_requests_too(tmp_path: Path) -> None:
         assert (await stats(daemon))["requests_open"] == MAX_QUEUED
 
 
+async def test_a_request_id_stored_again_behind_its_queued_release_is_no_duplicate(
+    tmp_path: Path,
+) -> None:
+    """store A (queued behind nothing but taking many turns), release A, store A, pipelined:
+    handled in order, as if sent one by one. The third was refused duplicate_request: the
+    first store was still queued, its release behind it not counted."""
+    async with in_process(tmp_path, 2 * LARGE) as daemon:
+        first = pending(daemon.send("store", request_id="A", token_ids=packed_prompt(LARGE, 9)))
+        released = daemon.send("release", request_id="A")
+        again = daemon.send("store", request_id="A", token_ids=prompt(1, 2))
+        twice = daemon.send("release", request_id="A")
+        replies = [await daemon.answer(r) for r in (first, released, again, twice)]
+        assert [r["ok"] for r in replies] == [True, True, True, True], replies
+        assert replies[1]["released"] == LARGE
+        assert replies[3]["released"] == 2
+        unknown = await daemon.call("release", request_id="A")
+        assert unknown["error"]["code"] == "unknown_request"  # closed: each store released
+        await daemon.turns_until(lambda: daemon.cache.pinned_blocks == 0)
+        assert (await stats(daemon))["requests_open"] == 0
+        # The same in one batch.
+        batch = await daemon.call(
+            "batch",
+            requests=[
+                {"op": "store", "request_id": "B", "token_ids": packed_prompt(LARGE, 10)},
+                {"op": "release", "request_id": "B"},
+                {"op": "store", "request_id": "B", "token_ids": prompt(2, 2)},
+            ],
+        )
+        assert [r["ok"] for r in batch["replies"]] == [True, True, True], batch
+
+
 # -- item 11: open requests bounded, stats without walking them ---------------------------------
 
 

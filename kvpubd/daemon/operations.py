@@ -231,7 +231,7 @@ class Operations:
                 "(control.max_blocks_per_store)",
             )
         # Request ids are unique across ranks (release names no rank).
-        if any(p.has_request(request.request_id) for p in self.pipelines):
+        if any(p.will_be_open(request.request_id) for p in self.pipelines):
             raise CacheError("duplicate_request", f"request {request.request_id!r} is already open")
         tokens: np.ndarray | IntArray
         if isinstance(token_ids, bytes):

@@ -302,6 +302,11 @@ class RankPipeline:
         """Open, or still being stored."""
         return request_id in self.cache.leases or self._stores.holds(request_id)
 
+    def will_be_open(self, request_id: str | int) -> bool:
+        """Open, or still being stored with no release queued behind: a store of this id
+        now would be a duplicate."""
+        return request_id in self.cache.leases or self._stores.opens(request_id)
+
     @property
     def open_requests(self) -> int:
         return len(self.cache.leases)

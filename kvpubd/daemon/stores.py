@@ -58,6 +58,7 @@ class _Store:
     request: Store
     tokens: np.ndarray | IntArray  # a list still to decode (a slice per loop turn first)
     result: Pending[StoreResult] = field(default_factory=Pending)
+    released: bool = False  # its release is queued behind it: the id is free for a new store
 
     @property
     def request_id(self) -> RequestId:
@@ -95,7 +96,9 @@ class StoreQueue:
     ) -> None:
         self._cache = cache
         self._queue: deque[_Store | _Release | _Unpin] = deque()
-        self._stores: dict[RequestId, _Store] = {}  # the queued stores, by request id
+        # The queued stores by request id (of an id stored again after its queued release:
+        # the latest; the earlier is still in the queue).
+        self._stores: dict[RequestId, _Store] = {}
         self._task: asyncio.Task[None] | None = None
         self._on_captured = on_captured  # after each inserted slice: the capture may go out
         self.max_queued_tokens = max_queued_tokens
@@ -116,6 +119,12 @@ class StoreQueue:
         """A store of ``request_id`` is under way or queued."""
         return request_id in self._stores
 
+    def opens(self, request_id: RequestId) -> bool:
+        """A store of ``request_id`` is under way or queued with no release behind it: a
+        store of that id after its release is no duplicate (requests run in order)."""
+        store = self._stores.get(request_id)
+        return store is not None and not store.released
+
     def submit(self, request: Store, tokens: np.ndarray | IntArray) -> Pending[StoreResult]:
         """Queue a store of ``tokens`` (the request's, decoded or still to decode); raises
         CacheError ``busy`` (changing nothing) while the queue is full. An empty queue takes
@@ -133,6 +142,7 @@ class StoreQueue:
         self._check_room(0)
         item = _Release(request_id)
         self._push(item)
+        self._stores[request_id].released = True
         return item.result
 
     def submit_unpin(self, parts: UnpinParts) -> None:
@@ -173,7 +183,8 @@ class StoreQueue:
             item = self._queue[0]
             if isinstance(item, _Store):
                 await self._settle(item.result, self._store(item), item.request_id)
-                del self._stores[item.request_id]
+                if self._stores.get(item.request_id) is item:  # not stored again behind it
+                    del self._stores[item.request_id]
                 self.queued_tokens -= len(item.tokens)
             elif isinstance(item, _Release):
                 await self._settle(item.result, self._release(item), item.request_id)
