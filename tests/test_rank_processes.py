@@ -21,7 +21,7 @@ import zmq
 
 from kvpubd.client import ControlClient, ControlError
 from kvpubd.daemon.pool import pool_segment_name
-from kvpubd.protocol.endpoints import rank_endpoint
+from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
 from kvpubd.protocol.wire import unpack_seq
 from kvpubd.tools.launcher import free_tcp_ports
 from tests.daemon import Daemon, wait_for
@@ -308,6 +308,8 @@ def test_workers_stop_when_the_service_is_killed() -> None:
     daemon = service().start(timeout=60)
     try:
         pids = workers(daemon)
+        assert daemon.proc is not None
+        (private,) = default_runtime_dir().glob(f"kvpubd-ranks-{daemon.proc.pid}-*")
         assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
 
         def gone() -> bool:
@@ -326,9 +328,25 @@ def test_workers_stop_when_the_service_is_killed() -> None:
         daemon.start(timeout=60)
         with daemon.client() as client:
             assert client.ping().ranks == RANKS
+        # It removed what the killed one left in the runtime directory (it stayed for good).
+        assert not private.exists()
     finally:
         if daemon.alive():
             daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_worker_killed_as_the_service_stops_leaves_nothing_and_fails_the_exit() -> None:
+    """A worker dies (SIGKILL) and the service is stopped before it restarts it: its socket
+    files were left behind and the service exited 0, as if every rank's last events had gone
+    out."""
+    daemon = service({"service": {"rank_restarts": 5}}).start(timeout=60)
+    try:
+        pids = workers(daemon)
+        os.kill(pids[1], signal.SIGKILL)
+        assert daemon.stop() != 0, daemon.log()  # SIGTERM at once: no time to restart it
+        assert not [p for p in daemon.dir.iterdir() if p.name.startswith(("events", "replay"))]
+    finally:
         daemon.cleanup()
 
 

@@ -30,7 +30,14 @@ import zmq
 
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Handler, StartupError
-from kvpubd.daemon.endpoint_lock import check_owner_only, ipc_path, lock_path, make_parents
+from kvpubd.daemon.endpoint_lock import (
+    EndpointInUse,
+    EndpointLock,
+    check_owner_only,
+    ipc_path,
+    lock_path,
+    make_parents,
+)
 from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import RequestOwners
 from kvpubd.daemon.rank_front import RankFront, decode_ok
@@ -55,6 +62,24 @@ RESTART_DELAY_S = 0.05
 STOP_GRACE_S = 30.0
 
 _encoder = msgspec.msgpack.Encoder()
+
+
+PRIVATE_DIR_PREFIX = "kvpubd-ranks-"  # then the service's pid, then mkdtemp's suffix
+
+
+def _remove_dead_services_dirs(runtime: Path) -> None:
+    """Remove the private directories of services that are gone (killed outright: nothing
+    of theirs removed them)."""
+    for directory in runtime.glob(f"{PRIVATE_DIR_PREFIX}*-*"):
+        pid_text = directory.name[len(PRIVATE_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            shutil.rmtree(directory, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 class WorkerDied(RuntimeError):
@@ -139,8 +164,12 @@ class ProcessService(Service):
         runtime = default_runtime_dir()
         self._created_dirs += make_parents(runtime / "x")
         check_owner_only(runtime)
-        # The workers' control endpoints: owner-only, short (an ipc path has ~100 bytes).
-        self._private_dir = Path(tempfile.mkdtemp(prefix="kvpubd-ranks-", dir=runtime))
+        # The workers' control endpoints: owner-only, short (an ipc path has ~100 bytes),
+        # named after this process so that a later start removes it if this one is killed.
+        _remove_dead_services_dirs(runtime)
+        self._private_dir = Path(
+            tempfile.mkdtemp(prefix=f"{PRIVATE_DIR_PREFIX}{os.getpid()}-", dir=runtime)
+        )
         try:
             await asyncio.gather(*(self._start_worker(rank) for rank in self.settings.cache.ranks))
         except WorkerFailed as exc:
@@ -202,6 +231,16 @@ class ProcessService(Service):
                 log.error("rank %d: stopping its worker failed: %r", process.rank, status)
             elif status not in (0, None):
                 log.error("rank %d: its worker exited with status %s", process.rank, status)
+            else:
+                continue
+            # Its last events may not have gone out: the service does not end as if they had.
+            if self._failure is None:
+                self._failure = WorkerDied(f"rank {process.rank}'s worker exited with {status}")
+                self._failure_task = f"rank {process.rank} worker"
+        # What a worker killed meanwhile (or while it was being started again) left of its
+        # ipc sockets: no worker takes them over now.
+        for rank in self.settings.cache.ranks:
+            self._remove_socket_files(rank)
         for rank, link in list(self._links.items()):
             link.close("the service is stopping")
             del self._links[rank]
@@ -247,13 +286,22 @@ class ProcessService(Service):
 
     def _remove_socket_files(self, rank: int) -> None:
         """What a killed worker left of its ipc sockets, where no worker takes it over (a new
-        one would: its lock tells a dead owner's files from a live one's)."""
+        one would: its lock tells a dead owner's files from a live one's). Files whose lock a
+        live process holds (another daemon's, on endpoints this service could not take) are
+        left alone."""
         for endpoint in self._rank_ipc_endpoints(rank):
             path = ipc_path(endpoint)
             lock = lock_path(endpoint, default_runtime_dir())
-            for leftover in (path, lock):
-                if leftover is not None:
-                    leftover.unlink(missing_ok=True)
+            if path is None or lock is None:
+                continue
+            try:
+                held = EndpointLock.acquire(endpoint, lock)
+            except EndpointInUse:
+                continue
+            except OSError:  # no directory, or not ours: nothing of ours there
+                continue
+            path.unlink(missing_ok=True)
+            held.release()  # removes the lock file
 
     def _rank_ipc_endpoints(self, rank: int) -> list[str]:
         events = self.settings.events
