@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -382,6 +384,39 @@ def test_one_scrape_counts_every_rank() -> None:
             health = scrape(f"http://127.0.0.1:{port}/healthz")[1]
             assert health == "ok\n"
     finally:
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
+
+
+def health(url: str) -> tuple[int, str]:
+    """/healthz's status and body."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_healthz_names_a_worker_that_answers_no_ping() -> None:
+    """A worker stopped (SIGSTOP) long before the watchdog kills it: /healthz says so, and
+    says ok again once it answers. It said ok throughout, after reading every worker's stats
+    for a scrape first (STATS_TIMEOUT_S per silent worker, one after another)."""
+    port = free_tcp_ports(1)[0]
+    daemon = service({"metrics": {"port": port}, "service": {"rank_hang_timeout_s": 120}})
+    daemon.start(timeout=60)
+    url = f"http://127.0.0.1:{port}/healthz"
+    pids = workers(daemon)
+    try:
+        assert health(url) == (200, "ok\n")
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_for(lambda: health(url)[0] == 503, 60, "a 503")
+        assert "rank 1's worker answered no ping for" in health(url)[1]
+        os.kill(pids[1], signal.SIGCONT)
+        wait_for(lambda: health(url) == (200, "ok\n"), 60, "ok again")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
         if daemon.alive():
             daemon.stop()
         daemon.cleanup()

@@ -165,8 +165,8 @@ class Metrics:
         self._by_peer[peer] = held + 1
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_TIMEOUT_S)
-            if self._refresh is not None:
-                await self._refresh()
+            if self._refresh is not None and _path_of(head) in METRICS_PATHS:
+                await self._refresh()  # (not for /healthz: it reads no stats)
             status, content_type, body = self.page(head)
             method = head.split(b" ", 1)[0]
             writer.write(
@@ -204,7 +204,7 @@ class Metrics:
             if problem is None:
                 return "200 OK", "text/plain", b"ok\n"
             return "503 Service Unavailable", "text/plain", f"{problem}\n".encode()
-        if path not in ("/metrics", "/"):
+        if path not in METRICS_PATHS:
             return "404 Not Found", "text/plain", b"metrics are at /metrics, health at /healthz\n"
         accept = ""
         for line in lines[1:]:
@@ -367,3 +367,12 @@ def _per_rank(
     for stats in ranks:
         metric.add_metric([str(stats.rank)], getattr(stats, key))
     return metric
+
+
+METRICS_PATHS = ("/metrics", "/")
+
+
+def _path_of(head: bytes) -> str:
+    """The path of a request's target ("" for a request line that has none)."""
+    parts = head.split(b"\r\n", 1)[0].split(b" ")
+    return parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""

@@ -56,6 +56,9 @@ START_TIMEOUT_S = 300.0
 # A worker's answer to the service's first ping, and to a stats request for a scrape.
 ANSWER_TIMEOUT_S = 10.0
 STATS_TIMEOUT_S = 2.0
+# A worker silent for this many ping intervals is unhealthy (/healthz), well before the
+# watchdog kills it as hung (service.rank_hang_timeout_s).
+HEALTH_SILENT_PINGS = 3
 # Time to wait between a worker's death and its next start, doubled per death in the window.
 RESTART_DELAY_S = 0.05
 # Beyond its linger, what a worker may take to publish its last batch and exit on SIGTERM.
@@ -147,10 +150,18 @@ class ProcessService(Service):
             return "not ready"
         if self._exit.is_set():
             return "stopping"
+        now = time.monotonic()
+        silent_s = HEALTH_SILENT_PINGS * self._ping_interval()
         for rank in self.settings.cache.ranks:
             if rank not in self._links:
                 return f"rank {rank}'s worker is not running"
+            process = self._processes.get(rank)
+            if process is not None and now - process.last_pong > silent_s:
+                return f"rank {rank}'s worker answered no ping for {now - process.last_pong:.1f} s"
         return None
+
+    def _ping_interval(self) -> float:
+        return min(1.0, self.settings.service.rank_hang_timeout_s / 4)
 
     def _set_log_level(self, level: str) -> None:
         super()._set_log_level(level)
@@ -325,7 +336,7 @@ class ProcessService(Service):
         """Ping every worker's loop; one silent for rank_hang_timeout_s is killed (and then
         handled as one that died)."""
         timeout = self.settings.service.rank_hang_timeout_s
-        interval = min(1.0, timeout / 4)
+        interval = self._ping_interval()
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
@@ -352,14 +363,24 @@ class ProcessService(Service):
     # -- metrics -----------------------------------------------------------------------------
 
     async def _refresh_stats(self) -> None:
-        """Read every running worker's stats (for a scrape); a worker that does not answer in
-        STATS_TIMEOUT_S keeps its last ones."""
-        ranks = list(self._links.items())
-        replies = [link.request(_encoder.encode(Stats()), Conn.PRIORITY) for _, link in ranks]
-        for (rank, _), reply in zip(ranks, replies, strict=True):
+        """Read every running worker's stats (for a scrape), all at once; a worker that does
+        not answer within STATS_TIMEOUT_S keeps its last ones. (Waited for one after another,
+        a scrape took that long per hung worker.)"""
+        asked = {
+            rank: asyncio.ensure_future(
+                _settled(link.request(_encoder.encode(Stats()), Conn.PRIORITY))
+            )
+            for rank, link in list(self._links.items())
+        }
+        if not asked:
+            return
+        await asyncio.wait(asked.values(), timeout=STATS_TIMEOUT_S)
+        for rank, answer in asked.items():
+            if not answer.done():
+                answer.cancel()
+                continue
             with contextlib.suppress(Exception):
-                frame = await asyncio.wait_for(_settled(reply), STATS_TIMEOUT_S)
-                for stats in decode_ok(frame, StatsReply).ranks:
+                for stats in decode_ok(answer.result(), StatsReply).ranks:
                     self._known_stats[rank] = stats
 
 
