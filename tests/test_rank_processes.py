@@ -422,6 +422,35 @@ def test_healthz_names_a_worker_that_answers_no_ping() -> None:
         daemon.cleanup()
 
 
+def test_a_reset_with_a_hung_worker_resets_no_rank() -> None:
+    """Rank 1's worker hangs (SIGSTOP), long before the watchdog would kill it: once it has
+    missed its pings, a reset of every rank is refused unavailable at once and resets no
+    rank. It reset rank 0, then waited until the watchdog killed rank 1 and answered
+    unavailable: a client never learnt rank 0's marker."""
+    port = free_tcp_ports(1)[0]
+    daemon = service({"metrics": {"port": port}, "service": {"rank_hang_timeout_s": 120}})
+    daemon.start(timeout=60)
+    url = f"http://127.0.0.1:{port}/healthz"
+    pids = workers(daemon)
+    try:
+        with daemon.client() as client:
+            before = client.stats().ranks[0].resets
+            os.kill(pids[1], signal.SIGSTOP)
+            wait_for(lambda: health(url)[0] == 503, 60, "rank 1 silent")
+            with pytest.raises(ControlError) as refused:
+                client.reset(force=True)
+            assert refused.value.code == "unavailable", refused.value
+            assert "nothing was reset" in str(refused.value)
+            os.kill(pids[1], signal.SIGCONT)
+            assert client.stats().ranks[0].resets == before
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[1], signal.SIGCONT)
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
+
+
 def test_a_client_that_never_reads_cannot_queue_without_bound() -> None:
     """What the service has in flight to one worker is capped: past the cap a request is
     refused ``busy`` at once (resets excepted), and everything in flight is answered once the

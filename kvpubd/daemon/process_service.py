@@ -115,7 +115,9 @@ class ProcessService(Service):
         self._private_dir: Path | None = None
         self._zmq: zmq.Context[zmq.Socket[bytes]] | None = None
         super().__init__(settings, reload_settings, start_lines)
-        self.front = RankFront(settings, self._running_link, self.metrics, self.epoch)
+        self.front = RankFront(
+            settings, self._running_link, self.metrics, self.epoch, silent=self._silent_for
+        )
 
     # -- what differs from ranks in this process --------------------------------------------
 
@@ -150,15 +152,21 @@ class ProcessService(Service):
             return "not ready"
         if self._exit.is_set():
             return "stopping"
-        now = time.monotonic()
-        silent_s = HEALTH_SILENT_PINGS * self._ping_interval()
         for rank in self.settings.cache.ranks:
             if rank not in self._links:
                 return f"rank {rank}'s worker is not running"
-            process = self._processes.get(rank)
-            if process is not None and now - process.last_pong > silent_s:
-                return f"rank {rank}'s worker answered no ping for {now - process.last_pong:.1f} s"
+            if (silent_s := self._silent_for(rank)) is not None:
+                return f"rank {rank}'s worker answered no ping for {silent_s:.1f} s"
         return None
+
+    def _silent_for(self, rank: int) -> float | None:
+        """How long a running worker has answered no ping, once that is HEALTH_SILENT_PINGS
+        pings or more; None else."""
+        process = self._processes.get(rank)
+        if process is None or rank not in self._links:
+            return None
+        silent_s = time.monotonic() - process.last_pong
+        return silent_s if silent_s > HEALTH_SILENT_PINGS * self._ping_interval() else None
 
     def _ping_interval(self) -> float:
         return min(1.0, self.settings.service.rank_hang_timeout_s / 4)

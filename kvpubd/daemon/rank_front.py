@@ -10,7 +10,8 @@ worker each; ``stats``, ``pause`` and ``resume`` go to every rank and come back 
 checks the request again and answers it, and its reply goes back to the client unchanged.
 
 A rank whose worker is not running (it died and is being started again) answers
-``unavailable``; so does a reset that targets it, which then resets no rank."""
+``unavailable``; so does a reset that targets it, or a worker that answers no ping (hung, until
+the watchdog kills it), which then resets no rank."""
 
 from __future__ import annotations
 
@@ -174,10 +175,14 @@ class RankFront:
         links: Callable[[int], RankLink | None],
         metrics: MetricsHooks,
         epoch: int,
+        silent: Callable[[int], float | None] = lambda rank: None,
     ) -> None:
         self._settings = settings
         self._ranks: Sequence[int] = settings.cache.ranks
         self._links = links
+        # How long a rank's worker has answered no ping, where that is long enough to call it
+        # hung (None: it answers): a reset that would wait on it resets nothing.
+        self._silent = silent
         self._metrics = metrics
         self.epoch = epoch
         self.paused = False
@@ -434,6 +439,14 @@ class RankFront:
     def _reset(self, request: Reset, owner: Owner | None, frame: bytes) -> Reply:
         targets = list(self._ranks) if request.rank is None else [self._rank(request.rank)]
         links = [self._link(rank) for rank in targets]  # unavailable: nothing is reset
+        for rank in targets:
+            if (silent_s := self._silent(rank)) is not None:
+                # It would reset the others and then wait until the watchdog kills this one.
+                raise CacheError(
+                    "unavailable",
+                    f"rank {rank}'s worker answered no ping for {silent_s:.1f} s: "
+                    "nothing was reset",
+                )
         if not request.force:
             busy = [(rank, n) for rank in targets if (n := self.open_requests(rank))]
             if busy:
