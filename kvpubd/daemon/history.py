@@ -36,6 +36,10 @@ REPLAY_EXTRA_BATCHES = 4096
 # ZeroMQ still queued) replays from its own last seq + 1 and must find exactly that seq.
 # Empty is right: the run's first batch, AllBlocksCleared, follows them.
 RESTART_OVERLAP = 1024
+# Bytes of payload the ring keeps at most, whatever buffer_steps says: batches are bounded in
+# blocks, not in bytes (an engine followed in upstream mode names its own block size, so a
+# block's tokens may be many), and the ring must not grow the daemon without bound.
+DEFAULT_BUFFER_BYTES = 512 << 20
 
 SnapshotBatch = tuple[int, Buffer]  # (seq, payload) of a replay batch holding the whole state
 Send = Callable[[bytes, bytes], None]  # (seq frame, payload) of one batch, to its transport
@@ -95,6 +99,7 @@ class History:
         record_seq: Callable[[int], None] | None = None,
         lost_history: Snapshots | None = None,
         publisher_id: bytes | None = None,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
         if not 0 <= first_seq <= MAX_SEQ:
             raise ValueError(f"first_seq: {first_seq} is not a seq (0..{MAX_SEQ})")
@@ -114,12 +119,15 @@ class History:
         # max_retained while a reader still needs the older ones (see _trim).
         self._ring: deque[tuple[bytes, bytes]] = deque()
         self.buffer_steps = buffer_steps
+        self.buffer_bytes = buffer_bytes
+        self._ring_bytes = 0  # of the payloads the ring holds
         self._record_seq = record_seq
         # ``overlap`` empty batches below first_seq, for replay only (see RESTART_OVERLAP).
         overlap = min(overlap, first_seq, buffer_steps)
         if overlap:
             empty = self._encoder.encode(time.time(), [])
             self._ring.extend((pack_seq(s), empty) for s in range(first_seq - overlap, first_seq))
+            self._ring_bytes = overlap * len(empty)
         self.max_retained = buffer_steps + max(buffer_steps, REPLAY_EXTRA_BATCHES)
         self.batches = 0
         self.events = 0
@@ -157,12 +165,17 @@ class History:
             record(seq)
         ring = self._ring
         ring.append((seq_frame, payload))
+        self._ring_bytes += len(payload)
         if len(ring) > self.buffer_steps:
             if self._holds:
                 self._trim()
             else:  # back to buffer_steps, also after readers had it keep more
                 while len(ring) > self.buffer_steps:
-                    ring.popleft()
+                    self._drop_oldest()
+        # Whatever readers still need (one that falls behind starts over from a snapshot
+        # batch, as past max_retained); the newest batch stays.
+        while self._ring_bytes > self.buffer_bytes and len(ring) > 1:
+            self._drop_oldest()
         self.send(seq_frame, payload)
         self._last_sent = time.monotonic()
         self.batches += 1
@@ -183,7 +196,10 @@ class History:
         keep = self._next_seq - max(needed, first)
         target = max(self.buffer_steps, min(keep, self.max_retained))
         while len(ring) > target:
-            ring.popleft()
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        self._ring_bytes -= len(self._ring.popleft()[1])
 
     def heartbeat(self) -> int | None:
         """Publish an empty batch (``[ts, [], rank]``, and the publisher id while snapshots are

@@ -115,6 +115,7 @@ class RankPipeline:
             wire_format=events.wire_format,
             rank=rank,
             buffer_steps=events.buffer_steps,
+            buffer_bytes=events.buffer_bytes,
             first_seq=first_seq,
             heartbeat_ms=_heartbeat_ms(events.heartbeat_ms, serves_snapshots),
             # Only where this run continues another's seqs (nothing lies below a first run).

@@ -67,6 +67,7 @@ class EventsConfig(_Section):
     hash_format: Literal["u64", "i64", "bytes"] = "u64"
     replay_framing: Literal["v026", "legacy"] = "v026"
     buffer_steps: int = Field(10_000, ge=1, le=10_000_000)
+    buffer_bytes: int = Field(512 << 20, ge=1 << 20)
     hwm: int = Field(100_000, ge=0, le=ZMQ_INT_MAX)
     max_events_per_tick: int = Field(50_000, ge=1)
     # Below 1 ms an idle daemon would spin its CPU on ticks that publish nothing.
