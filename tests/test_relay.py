@@ -181,6 +181,22 @@ def test_a_second_reset_leaves_a_per_block_engines_fence_on() -> None:
     assert rank.held() == {5}
 
 
+def test_an_engine_store_of_many_blocks_goes_out_in_chained_parts() -> None:
+    """A store of 2 500 blocks goes out as stores of 1 024 at most, each under the last
+    block of the one before, tokens and extra keys with their blocks (it went out whole: a
+    batch of a million blocks, against at most 1 024 for kvpubd's own)."""
+    rank = make()
+    hashes = list(range(1, 2501))
+    big = msgspec.structs.replace(stored(*hashes, parent=None), extra_keys=[[h] for h in hashes])
+    parts = [p for p in rank.out(big) if isinstance(p, BlockStored)]
+    assert [len(p.block_hashes) for p in parts] == [1024, 1024, 452]
+    assert [h for p in parts for h in p.block_hashes] == hashes
+    assert [p.parent_block_hash for p in parts] == [None, 1024, 2048]
+    assert [t for p in parts for t in p.token_ids] == big.token_ids
+    assert [k for p in parts for k in p.extra_keys or []] == big.extra_keys
+    assert rank.held() == set(hashes)
+
+
 def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
     rank = make()
     rank.out(stored(1, 2))

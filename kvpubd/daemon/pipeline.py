@@ -230,9 +230,15 @@ class RankPipeline:
         self._follower = follower = EngineFollower(
             engine_rank_endpoint(upstream.endpoint, self.rank),
             engine_rank_endpoint(replay, self.rank) if replay else None,
-            decoder=FlavourDecoder(flavour, default_medium=upstream.medium, tokens_encoded=True),
+            decoder=FlavourDecoder(
+                flavour,
+                default_medium=upstream.medium,
+                tokens_encoded=True,
+                max_payload_bytes=upstream.max_payload_bytes,
+            ),
             topic=upstream.topic,
             rcvhwm=upstream.rcvhwm,
+            max_payload_bytes=upstream.max_payload_bytes,
             idle_check=upstream.idle_check_ms / 1000 or None,
         )
         since_turn = 0  # engine events handled since the last loop turn

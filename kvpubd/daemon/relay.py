@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
 RESTART_LOG_EVERY_S = 10.0  # one warning for restarts and losses that come faster
+PART_BLOCKS = 1024  # blocks of one engine store republished as one event at most
 Lane = tuple[int | None, str | None]  # group_idx, medium
 # A block's key: its hash in the first lane the engine stored in since the relay was last
 # cleared (vLLM's GPU group 0: the common case, no object made per block), (lane number,
@@ -274,6 +275,12 @@ class Relay:
 
     def _stored(self, event: BlockStored) -> None:
         size, raw, extra = event.block_size, event.block_hashes, event.extra_keys
+        if len(raw) > PART_BLOCKS:
+            # Republished in parts, chained, as kvpubd's own stores go out (a batch holds
+            # 1024 blocks at most: one engine store of a million went out whole).
+            for part in in_parts(event, PART_BLOCKS):
+                self._stored(part)
+            return
         if token_count(event.token_ids) != len(raw) * size or (
             extra is not None and len(extra) != len(raw)
         ):
@@ -423,3 +430,32 @@ def plain_store(event: BlockStored, **changes: Any) -> BlockStored:
     fields = msgspec.structs.asdict(event)
     fields.update(changes)
     return BlockStored(**fields)
+
+
+def in_parts(event: BlockStored, blocks: int) -> list[BlockStored]:
+    """``event`` as stores of ``blocks`` blocks at most, each under the last block of the one
+    before; whole where its tokens are not exactly its blocks' (the relay then skips it) or do
+    not decode as integers (they go on as they came)."""
+    hashes, size, extra = event.block_hashes, event.block_size, event.extra_keys
+    tokens = token_list(event.token_ids)
+    if (
+        len(tokens) != len(hashes) * size
+        or (tokens and tokens[0] is None)
+        or (extra is not None and len(extra) != len(hashes))
+    ):
+        return [event]
+    parts: list[BlockStored] = []
+    parent = event.parent_block_hash
+    for start in range(0, len(hashes), blocks):
+        end = min(start + blocks, len(hashes))
+        parts.append(
+            msgspec.structs.replace(
+                event,
+                block_hashes=hashes[start:end],
+                parent_block_hash=parent,
+                token_ids=tokens[start * size : end * size],
+                extra_keys=None if extra is None else extra[start:end],
+            )
+        )
+        parent = hashes[end - 1]
+    return parts

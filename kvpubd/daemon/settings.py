@@ -404,6 +404,9 @@ class UpstreamConfig(_Section):
     # Live blocks kept per rank (about 0.5 KiB each): stores past it are not republished, so
     # an engine that never removes cannot grow the daemon without bound.
     max_blocks: int = Field(4_000_000, ge=1, le=1 << 40)
+    # An engine message larger than this is lost (ZeroMQ drops the connection on it; kvpubd
+    # connects again): its decoding holds the loop in one piece.
+    max_payload_bytes: int = Field(8 << 20, ge=1 << 16, le=1 << 30)
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod

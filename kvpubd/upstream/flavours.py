@@ -32,7 +32,9 @@ from kvpubd.protocol import wire
 
 Flavour = Literal["vllm", "sglang", "trtllm"]
 FLAVOURS: tuple[Flavour, ...] = ("vllm", "sglang", "trtllm")
-DEFAULT_MAX_PAYLOAD_BYTES = 64 << 20
+# An engine's batch is one step's events (about 100 bytes a block: a few hundred KB at most);
+# decoding one takes a loop step in one piece (about 15 ms a MB), so larger ones are lost.
+DEFAULT_MAX_PAYLOAD_BYTES = 8 << 20
 
 MAX_TOKEN_ID = (1 << 32) - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
