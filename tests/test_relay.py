@@ -197,6 +197,21 @@ def test_an_engine_store_of_many_blocks_goes_out_in_chained_parts() -> None:
     assert rank.held() == set(hashes)
 
 
+def test_stores_no_subscriber_takes_are_not_republished() -> None:
+    """A store of no blocks, and a block under a parent of another block size (an engine's
+    bug): republished, they made kvpubd's own client refuse the snapshot ("block_size 8 !=
+    4") or count a violation and resync."""
+    rank = make()
+    assert rank.out(stored(1)) == [stored(1)]
+    empty = msgspec.structs.replace(stored(), block_size=1 << 62)
+    assert rank.out(empty) == []
+    wider = msgspec.structs.replace(stored(2, parent=1), block_size=BS * 2, token_ids=[5] * 4)
+    assert rank.out(wider) == []
+    assert rank.out(stored(3, parent=2)) == []  # nor its children
+    assert rank.relay.orphans == 2
+    assert rank.held() == {1}
+
+
 def test_clearing_hands_the_old_containers_to_the_reaper() -> None:
     rank = make()
     rank.out(stored(1, 2))

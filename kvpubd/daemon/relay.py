@@ -275,6 +275,8 @@ class Relay:
 
     def _stored(self, event: BlockStored) -> None:
         size, raw, extra = event.block_size, event.block_hashes, event.extra_keys
+        if not raw:
+            return  # a store of no blocks: nothing to republish (subscribers refuse one)
         if len(raw) > PART_BLOCKS:
             # Republished in parts, chained, as kvpubd's own stores go out (a batch holds
             # 1024 blocks at most: one engine store of a million went out whole).
@@ -301,9 +303,13 @@ class Relay:
         if hashes is not raw or parent != event.parent_block_hash:
             event = msgspec.structs.replace(event, block_hashes=hashes, parent_block_hash=parent)
         count, blocks = len(hashes), self._blocks
-        chained = (
-            parent is None or _key(number, parent) in blocks or self._parent_live(event, parent)
-        )
+        parent_key = None if parent is None else _key(number, parent)
+        if parent_key is not None and parent_key in blocks:
+            # Under a parent of another block size (an engine's bug): as under a parent not
+            # live, for a chain's blocks all have one size (kvpubd's client refuses others).
+            chained = blocks.value(parent_key).block_size == size
+        else:
+            chained = parent is None or self._parent_live(event, parent)
         if (
             chained
             and len(blocks) + count <= self._max_blocks
