@@ -32,7 +32,6 @@ answer is bounded the same way (``max_replay_batches``) and every message by
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -116,24 +115,9 @@ class EngineFollower:
         self.counters = FollowerCounters()
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
-        self._sub = self._context.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, max_payload_bytes)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
-        self._endpoint = endpoint
-        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        # The same sockets, read without the loop (see _follow).
-        self._sub_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
-        self._monitor_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor.underlying)
-        # Asked once per engine batch: zmq_poll itself costs a third of a socket's poll() or
-        # of reading its EVENTS (microseconds each, a tenth of what relaying a batch costs).
-        self._sub_ready = [(self._sub_now, zmq.POLLIN)]
-        self._monitor_ready = [(self._monitor_now, zmq.POLLIN)]
-        self._poller = zmq.asyncio.Poller()
-        self._poller.register(self._monitor, zmq.POLLIN)
-        self._poller.register(self._sub, zmq.POLLIN)
+        self._endpoint, self._topic = endpoint, topic
+        self._rcvhwm, self._max_payload_bytes = rcvhwm, max_payload_bytes
+        self._open_sub()
         self._disconnected = False  # since the last batch taken: check the next one
         self._replay = (
             ReplayClient(
@@ -181,9 +165,7 @@ class EngineFollower:
         if self._closed:
             return
         self._closed = True
-        self._sub.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sub.close(linger=0)
+        self._close_sub()
         if self._replay is not None:
             self._replay.close()
         if self._own_context:
@@ -229,14 +211,41 @@ class EngineFollower:
                 async for batch in self._take(seq, payload):
                     yield batch
 
+    def _open_sub(self) -> None:
+        """The SUB socket on the engine's PUB, its monitor and the pollers of both."""
+        sub = self._sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_payload_bytes)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic.encode())
+        sub.connect(self._endpoint)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # The same sockets, read without the loop (see _follow).
+        self._sub_now: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        self._monitor_now: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor.underlying)
+        # Asked once per engine batch: zmq_poll itself costs a third of a socket's poll() or
+        # of reading its EVENTS (microseconds each, a tenth of what relaying a batch costs).
+        self._sub_ready = [(self._sub_now, zmq.POLLIN)]
+        self._monitor_ready = [(self._monitor_now, zmq.POLLIN)]
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(sub, zmq.POLLIN)
+
+    def _close_sub(self) -> None:
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sub.close(linger=0)
+
     def _reconnect(self) -> None:
-        """Connect again at once. ZeroMQ reconnects by itself after a connection error, but not
+        """A new SUB socket. ZeroMQ reconnects by itself after a connection error, but not
         after a protocol error: a message over ``max_payload_bytes`` closed the connection
-        for good, and the engine was never heard again."""
+        for good, and the engine was never heard again. A new socket, not a disconnect and
+        connect: libzmq aborts the process when a connection ends under a message it has
+        begun to read (polling reads a SUB socket's next message ahead). What the old socket
+        still held is a gap, repaired as any."""
         self.counters.reconnects += 1
-        with contextlib.suppress(zmq.ZMQError):
-            self._sub.disconnect(self._endpoint)
-        self._sub.connect(self._endpoint)
+        self._close_sub()
+        self._open_sub()
 
     def _next_seq(self) -> int:
         return self._last + 1 if self._last >= 0 else self._first_seq
