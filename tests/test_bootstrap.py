@@ -183,14 +183,18 @@ def test_a_new_publisher_id_is_a_restart() -> None:
 
 def test_a_restart_while_buffering_drops_the_old_lifetime() -> None:
     """The old publisher's buffered messages can never follow the new one's snapshot: they
-    are dropped, and a snapshot of the new publisher completes the bootstrap."""
+    are dropped; the request the old one may have taken is given up and asked again at once
+    (it was waited for until snapshot_timeout), and a snapshot of the new publisher completes
+    the bootstrap."""
     t = tracker()
     t.on_live(0, live(10))
     asked = request(t)
     t.on_live(0, live(11))
     t.on_live(0, live(20, [stored(1)], pid=PID_B))
-    assert t.streams[0].counters.restarts == 1 and t.awaiting(asked)
-    assert seqs(t.on_snapshot(asked, reply(19, PID_B))) == [20]
+    assert t.streams[0].counters.restarts == 1 and not t.awaiting(asked)
+    again = request(t)  # at once: no back-off
+    assert again.attempt > asked.attempt
+    assert seqs(t.on_snapshot(again, reply(19, PID_B))) == [20]
     assert t.streams[0].publisher_id == PID_B and blocks(t) == {1}
 
 

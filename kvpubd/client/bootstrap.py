@@ -201,8 +201,10 @@ class SnapshotTracker:
             if self.callbacks.on_restart:
                 self.callbacks.on_restart(rank, "the publisher_id changed: the publisher restarted")
             if stream.phase is Phase.REQUESTING:
-                # The old lifetime's messages can never follow a snapshot of the new one.
-                stream.buffer, stream.buffered_bytes = [], 0
+                # The old lifetime's messages can never follow a snapshot of the new one, and
+                # a request the old one took will never be answered: asked again at once (it
+                # was waited for until snapshot_timeout, 10 s).
+                self._unavailable(stream)
         if stream.phase is not Phase.READY:
             return self._hold(stream, message)
         if message.publisher_id != stream.publisher_id:
