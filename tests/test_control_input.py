@@ -61,6 +61,7 @@ def check_error_reply(reply: Any, request_id: Any = None) -> dict[str, Any]:
     assert isinstance(error, dict) and set(error) == {"code", "message"}, reply
     assert isinstance(error["code"], str) and error["code"] in ERROR_CODES, reply
     assert isinstance(error["message"], str) and error["message"].strip(), reply
+    assert not error["message"].rstrip().endswith(":"), reply  # says what, after its colon
     return error
 
 

@@ -135,7 +135,7 @@ def _batch(frame: bytes, max_tokens: int, request_id: Any = None) -> Request:
         request_id = peek_id(frame) if request_id is None else request_id
         raise ProtocolError("bad_request", describe(exc), request_id) from None
     except msgspec.DecodeError as exc:
-        raise ProtocolError("bad_request", f"request is not one msgpack object: {exc}") from None
+        raise ProtocolError("bad_request", f"request is not one msgpack object: {_why(exc)}") from None
     _check_int_lists(request, max_tokens)
     return request
 
@@ -255,7 +255,7 @@ def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
     except ProtocolError:
         raise
     except Exception as exc:
-        raise ProtocolError("bad_request", f"request is not one msgpack object: {exc}") from None
+        raise ProtocolError("bad_request", f"request is not one msgpack object: {_why(exc)}") from None
     if trailing:
         raise ProtocolError("bad_request", "request is not one msgpack object: extra data")
     return obj
@@ -291,7 +291,7 @@ def _not_a_map(frame: bytes) -> str:
         try:
             obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)
         except Exception as exc:
-            return f"request is not one msgpack object: {exc}"
+            return f"request is not one msgpack object: {_why(exc)}"
         return f"request must be a msgpack map, got {type(obj).__name__}"
     return "request must be a msgpack map"
 
@@ -321,3 +321,8 @@ def peek_id(frame: bytes) -> Any:
     except Exception:
         pass
     return None
+
+
+def _why(exc: Exception) -> str:
+    """What a decoder said, or its kind where it said nothing (msgpack's for a 0xc1 byte)."""
+    return str(exc) or type(exc).__name__
