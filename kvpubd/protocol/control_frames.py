@@ -135,7 +135,9 @@ def _batch(frame: bytes, max_tokens: int, request_id: Any = None) -> Request:
         request_id = peek_id(frame) if request_id is None else request_id
         raise ProtocolError("bad_request", describe(exc), request_id) from None
     except msgspec.DecodeError as exc:
-        raise ProtocolError("bad_request", f"request is not one msgpack object: {_why(exc)}") from None
+        raise ProtocolError(
+            "bad_request", f"request is not one msgpack object: {_why(exc)}"
+        ) from None
     _check_int_lists(request, max_tokens)
     return request
 
@@ -255,7 +257,9 @@ def _decode_map(frame: bytes, max_tokens: int) -> dict[Any, Any]:
     except ProtocolError:
         raise
     except Exception as exc:
-        raise ProtocolError("bad_request", f"request is not one msgpack object: {_why(exc)}") from None
+        raise ProtocolError(
+            "bad_request", f"request is not one msgpack object: {_why(exc)}"
+        ) from None
     if trailing:
         raise ProtocolError("bad_request", "request is not one msgpack object: extra data")
     return obj
