@@ -27,7 +27,7 @@ from kvpubd.protocol.endpoints import default_runtime_dir, rank_endpoint
 from kvpubd.protocol.wire import unpack_seq
 from kvpubd.tools.launcher import free_tcp_ports
 from tests.daemon import Daemon, wait_for
-from tests.streams import prompt
+from tests.streams import packed_prompt, prompt
 from tests.test_metrics import samples, scrape, value
 
 pytestmark = pytest.mark.daemon_process
@@ -349,6 +349,34 @@ def test_a_worker_killed_as_the_service_stops_leaves_nothing_and_fails_the_exit(
         assert daemon.stop() != 0, daemon.log()  # SIGTERM at once: no time to restart it
         assert not [p for p in daemon.dir.iterdir() if p.name.startswith(("events", "replay"))]
     finally:
+        daemon.cleanup()
+
+
+def test_a_service_started_again_right_after_a_kill_takes_its_endpoints() -> None:
+    """The service is killed (SIGKILL) while a subscriber that never reads holds queued
+    events, and started again at once, as systemd's Restart= does. Its workers, left with
+    their linger (30 s here) to flush those events, held the rank endpoints' locks: the new
+    service exited 1 (endpoint in use by a running daemon) until they let go."""
+    daemon = service({"service": {"linger_ms": 30_000}}).start(timeout=60)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        stuck = context.socket(zmq.SUB)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.subscribe(b"")
+        stuck.connect(rank_endpoint(daemon.events_endpoint, 0))
+        with daemon.client() as client:
+            RankStream(daemon, 0, context).join(client)  # connected and subscribed
+            for n in range(40):  # ~1 MB of events queued towards the subscriber
+                client.store(f"q{n}", packed_prompt(200, n), rank=0)
+                client.release(f"q{n}")
+        assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
+        daemon.start(timeout=60)  # at once
+        with daemon.client() as client:
+            assert client.ping().ranks == RANKS
+    finally:
+        context.destroy(linger=0)
+        if daemon.alive():
+            daemon.stop()
         daemon.cleanup()
 
 

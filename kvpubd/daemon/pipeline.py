@@ -659,14 +659,15 @@ class RankPipeline:
             "host_blocks_held": host.held,
         }
 
-    def close(self) -> None:
+    def close(self, linger_ms: int | None = None) -> None:
+        """``linger_ms``: what queued events get at most (None: service.linger_ms)."""
         self._stores.close()
         for task in (self._scrub, self._backlog, self._following):
             if task is not None:
                 task.cancel()
         if self._snapshot is not None:
             self._snapshot.cancel()
-        self.publisher.close()
+        self.publisher.close(linger_ms)
         if self._seq_state is not None:
             self._seq_state.close()
         self.cache.close()

@@ -94,5 +94,9 @@ class Publisher(Generic[T]):
     def stop(self) -> None:
         self.transport.stop()
 
-    def close(self) -> None:
+    def close(self, linger_ms: int | None = None) -> None:
+        """``linger_ms``: what queued events get at most, where the transport lingers (ZeroMQ's
+        PUB socket); None: its own linger."""
+        if linger_ms is not None and isinstance(self.transport, ZmqTransport):
+            self.transport.shorten_linger(linger_ms)
         self.transport.close()

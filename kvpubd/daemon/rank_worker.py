@@ -34,6 +34,9 @@ log = logging.getLogger("kvpubd")
 READY = b"ready\n"
 # Bytes of one line from the service, at most (the spec carries the whole configuration).
 MAX_LINE_BYTES = 1 << 20
+# What queued events get when the service is gone (killed outright): its endpoints are let go
+# of at once, for the service started again.
+ORPHANED_LINGER_MS = 100
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -102,7 +105,9 @@ class ServiceLink:
         if not chunk:
             log.warning("the service is gone; stopping")
             self.stop()
-            self._service.request_exit()
+            # Its endpoints let go of at once: a service started again right away (systemd's
+            # Restart=) found them held for the whole linger, and exited 1.
+            self._service.request_exit(linger_ms=ORPHANED_LINGER_MS)
             return
         self._lines(chunk)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import secrets
@@ -119,6 +120,8 @@ class Service:
         self._context: zmq.Context[zmq.Socket[bytes]] | None = None
         self.control: ControlServer | None = None
         self._exit = asyncio.Event()
+        # The sockets' linger at exit, where it is not theirs (linger_ms): see request_exit.
+        self._exit_linger_ms: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: BaseException | None = None
         self._failure_task = ""
@@ -235,9 +238,14 @@ class Service:
         else:
             log.info("SIGHUP: reloaded %s, %d authorised CURVE client key(s)", reloaded, count)
 
-    def request_exit(self) -> None:
+    def request_exit(self, linger_ms: int | None = None) -> None:
+        """Stop; ``linger_ms``: what queued messages get at most, whatever linger_ms says (a
+        rank worker whose service is gone lets go of its endpoints at once, so that a service
+        started again right away can take them)."""
         if not self._exit.is_set():
             log.info("shutdown requested")
+        if linger_ms is not None:
+            self._exit_linger_ms = min(linger_ms, self._exit_linger_ms or linger_ms)
         self._exit.set()
 
     async def startup(self) -> None:
@@ -348,7 +356,8 @@ class Service:
             if seq is not None:
                 log.info("rank %d: published the last batch, seq %d", pipeline.rank, seq)
         for pipeline in self.pipelines:
-            _attempt(f"rank {pipeline.rank} close", pipeline.close)
+            close = functools.partial(pipeline.close, self._exit_linger_ms)
+            _attempt(f"rank {pipeline.rank} close", close)
 
     def _rank_listeners(self) -> list[tuple[zmq.Socket[bytes], str, str]]:
         """Each rank's listening sockets, for the connection caps."""
@@ -409,7 +418,7 @@ class Service:
         if self._context is not None:
             # Closes what a failed start-up left open, then waits up to each socket's linger
             # (linger_ms for PUB) for queued messages to reach subscribers.
-            _attempt("zmq context", self._context.destroy)
+            _attempt("zmq context", functools.partial(self._context.destroy, self._exit_linger_ms))
             self._context = None
         # Last, so that no second daemon can start before this one let go of everything.
         locks, self._locks = self._locks, []

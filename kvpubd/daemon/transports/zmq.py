@@ -357,6 +357,10 @@ class ZmqTransport:
             log.debug("rank %d: replay to a peer stopped: %s", self.rank, exc)
         return True
 
+    def shorten_linger(self, linger_ms: int) -> None:
+        """What queued events get at most once closed, whatever linger_ms said."""
+        self.pub.setsockopt(zmq.LINGER, linger_ms)
+
     def close(self) -> None:
         self.stop()
         snapshot_endpoint = self.snapshot_endpoint
