@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import enum
 import inspect
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -51,6 +53,9 @@ from kvpubd.upstream.replay import ReplayClient
 
 # Messages read from the SUB socket per round of the loop at most.
 BURST = 256
+MALFORMED_LOG_EVERY_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class Condition(enum.Flag):
@@ -137,6 +142,8 @@ class EngineFollower:
         self._pending = Condition.NONE  # for the next batch given out
         self._missing = 0
         self._closed = False
+        self._malformed_logged_at = -MALFORMED_LOG_EVERY_S
+        self._malformed_logged = 0  # counters.malformed when the last line was logged
         self._idle_ms = int(idle_check * 1000) if idle_check and self._replay else None
         # Live seqs a catch-up gave out already: (after, through]; None: no catch-up pending.
         self._caught_up: tuple[int, int] | None = None
@@ -205,8 +212,8 @@ class EngineFollower:
                     break
                 try:
                     seq, payload = split_live(frames)
-                except ValueError:
-                    self.counters.malformed += 1  # no seq: nothing to repair by, nothing lost
+                except ValueError as exc:
+                    self._malformed(f"a message that is no batch: {exc}")  # nothing to repair by
                     continue
                 async for batch in self._take(seq, payload):
                     yield batch
@@ -347,8 +354,8 @@ class EngineFollower:
         self._last, self._last_payload = seq, payload
         try:
             decoded = self.decoder.decode(payload)
-        except UpstreamPayloadError:
-            self.counters.malformed += 1
+        except UpstreamPayloadError as exc:
+            self._malformed(f"batch {seq} does not decode: {exc}")
             self._pending |= Condition.LOST
             self._missing += 1
             return None
@@ -366,6 +373,18 @@ class EngineFollower:
         )
         self._missing = 0
         return batch
+
+    def _malformed(self, why: str) -> None:
+        """Counted, and logged once every MALFORMED_LOG_EVERY_S at most (an engine that sends
+        nothing but junk is not a log line per message)."""
+        self.counters.malformed += 1
+        now = time.monotonic()
+        if now - self._malformed_logged_at < MALFORMED_LOG_EVERY_S:
+            return
+        unlogged = self.counters.malformed - self._malformed_logged - 1
+        more = f" ({unlogged} more since the last such line)" if unlogged else ""
+        log.warning("upstream: skipped %.200s%s", why, more)
+        self._malformed_logged_at, self._malformed_logged = now, self.counters.malformed
 
     def _lose(self, count: int) -> None:
         if count <= 0:
