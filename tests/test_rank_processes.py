@@ -426,57 +426,54 @@ def health(url: str) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-def test_healthz_names_a_worker_that_answers_no_ping() -> None:
-    """A worker stopped (SIGSTOP) long before the watchdog kills it: /healthz says so, and
-    says ok again once it answers. It said ok throughout, after reading every worker's stats
-    for a scrape first (STATS_TIMEOUT_S per silent worker, one after another)."""
+@contextlib.contextmanager
+def rank_1_hung() -> Iterator[tuple[Daemon, str, Callable[[], None]]]:
+    """A service with metrics whose rank 1 worker is stopped (SIGSTOP) long before the
+    watchdog would kill it, once /healthz says so: (the service, its /healthz url, what
+    lets the worker run again)."""
     port = free_tcp_ports(1)[0]
     daemon = service({"metrics": {"port": port}, "service": {"rank_hang_timeout_s": 120}})
     daemon.start(timeout=60)
     url = f"http://127.0.0.1:{port}/healthz"
-    pids = workers(daemon)
+    pid = workers(daemon)[1]
+
+    def resume() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
     try:
         assert health(url) == (200, "ok\n")
-        os.kill(pids[1], signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP)
         wait_for(lambda: health(url)[0] == 503, 60, "a 503")
-        assert "rank 1's worker answered no ping for" in health(url)[1]
-        os.kill(pids[1], signal.SIGCONT)
-        wait_for(lambda: health(url) == (200, "ok\n"), 60, "ok again")
+        yield daemon, url, resume
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pids[1], signal.SIGCONT)
+        resume()
         if daemon.alive():
             daemon.stop()
         daemon.cleanup()
+
+
+def test_healthz_names_a_worker_that_answers_no_ping() -> None:
+    """/healthz names a worker that has missed its pings, and says ok again once it answers.
+    It said ok throughout, after reading every worker's stats for a scrape first
+    (STATS_TIMEOUT_S per silent worker, one after another)."""
+    with rank_1_hung() as (_, url, resume):
+        assert "rank 1's worker answered no ping for" in health(url)[1]
+        resume()
+        wait_for(lambda: health(url) == (200, "ok\n"), 60, "ok again")
 
 
 def test_a_reset_with_a_hung_worker_resets_no_rank() -> None:
-    """Rank 1's worker hangs (SIGSTOP), long before the watchdog would kill it: once it has
-    missed its pings, a reset of every rank is refused unavailable at once and resets no
-    rank. It reset rank 0, then waited until the watchdog killed rank 1 and answered
-    unavailable: a client never learnt rank 0's marker."""
-    port = free_tcp_ports(1)[0]
-    daemon = service({"metrics": {"port": port}, "service": {"rank_hang_timeout_s": 120}})
-    daemon.start(timeout=60)
-    url = f"http://127.0.0.1:{port}/healthz"
-    pids = workers(daemon)
-    try:
-        with daemon.client() as client:
-            before = client.stats().ranks[0].resets
-            os.kill(pids[1], signal.SIGSTOP)
-            wait_for(lambda: health(url)[0] == 503, 60, "rank 1 silent")
-            with pytest.raises(ControlError) as refused:
-                client.reset(force=True)
-            assert refused.value.code == "unavailable", refused.value
-            assert "nothing was reset" in str(refused.value)
-            os.kill(pids[1], signal.SIGCONT)
-            assert client.stats().ranks[0].resets == before
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pids[1], signal.SIGCONT)
-        if daemon.alive():
-            daemon.stop()
-        daemon.cleanup()
+    """Once a hung worker has missed its pings, a reset of every rank is refused unavailable
+    at once and resets no rank. It reset rank 0, then waited until the watchdog killed rank 1
+    and answered unavailable: a client never learnt rank 0's marker."""
+    with rank_1_hung() as (daemon, _, resume), daemon.client() as client:
+        with pytest.raises(ControlError) as refused:
+            client.reset(force=True)
+        assert refused.value.code == "unavailable", refused.value
+        assert "nothing was reset" in str(refused.value)
+        resume()
+        assert client.stats().ranks[0].resets == 0
 
 
 def test_a_client_that_never_reads_cannot_queue_without_bound() -> None:

@@ -130,21 +130,20 @@ def _assert_ended_cleanly(
     assert not child.directory.exists(), f"{child.directory} left behind"
 
 
-def test_demo_ends_on_sigterm_with_its_daemon(tools: list[subprocess.Popen[str]]) -> None:
+@pytest.mark.parametrize(
+    ("signum", "code", "line"),
+    [(signal.SIGTERM, 143, "kvpubd: terminated"), (signal.SIGHUP, 129, "kvpubd: hung up")],
+)
+def test_demo_ends_on_a_signal_with_its_daemon(
+    tools: list[subprocess.Popen[str]], signum: int, code: int, line: str
+) -> None:
+    """SIGTERM (a supervisor), SIGHUP (the terminal closing: it ended the tool at once, its
+    temp dir left behind)."""
     demo = _start(tools, "demo", "--duration", "60")
     child = wait_for(lambda: _find_daemon(demo), timeout=30, what="the demo's daemon")
     wait_for(child.answers, timeout=30, what="the demo's daemon to answer")
-    demo.send_signal(signal.SIGTERM)
-    _assert_ended_cleanly(demo, child, 143, "kvpubd: terminated")
-
-
-def test_demo_ends_on_sighup_with_its_daemon(tools: list[subprocess.Popen[str]]) -> None:
-    """The terminal closing: SIGHUP ended the tool at once, its temp dir left behind."""
-    demo = _start(tools, "demo", "--duration", "60")
-    child = wait_for(lambda: _find_daemon(demo), timeout=30, what="the demo's daemon")
-    wait_for(child.answers, timeout=30, what="the demo's daemon to answer")
-    demo.send_signal(signal.SIGHUP)
-    _assert_ended_cleanly(demo, child, 129, "kvpubd: hung up")
+    demo.send_signal(signum)
+    _assert_ended_cleanly(demo, child, code, line)
 
 
 def test_demo_ctrl_c_while_its_daemon_starts(tools: list[subprocess.Popen[str]]) -> None:
