@@ -418,12 +418,14 @@ def test_one_scrape_counts_every_rank() -> None:
 
 
 def health(url: str) -> tuple[int, str]:
-    """/healthz's status and body."""
+    """/healthz's status and body ((0, "") while nothing listens there yet)."""
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+    except urllib.error.URLError:
+        return 0, ""
 
 
 @contextlib.contextmanager
@@ -442,7 +444,8 @@ def rank_1_hung() -> Iterator[tuple[Daemon, str, Callable[[], None]]]:
             os.kill(pid, signal.SIGCONT)
 
     try:
-        assert health(url) == (200, "ok\n")
+        # The metrics endpoint may come up after the control socket the start waited for.
+        wait_for(lambda: health(url) == (200, "ok\n"), 60, "the metrics endpoint")
         os.kill(pid, signal.SIGSTOP)
         wait_for(lambda: health(url)[0] == 503, 60, "a 503")
         yield daemon, url, resume

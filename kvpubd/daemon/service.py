@@ -281,8 +281,10 @@ class Service:
         )
         self.control.bind()
         await self._start_ranks(self._context)
-        self.control.start()
+        # Metrics before the control socket is served: a daemon that answers ping has every
+        # endpoint up (a probe right after the first ping found /healthz refusing connections).
         await self._start_metrics()
+        self.control.start()
         self._cap_connections()
         upstream = self.settings.upstream
         log.log(
