@@ -10,6 +10,7 @@ whatever a call meets is one log line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -25,14 +26,16 @@ class EngineResetCaller:
     def __init__(self, url: str, timeout: float = TIMEOUT_S) -> None:
         self.url = url
         self.timeout = timeout
-        self._waiting: queue.Queue[None] = queue.Queue(MAX_WAITING)
+        # True: a call; False: the thread's end (close).
+        self._waiting: queue.Queue[bool] = queue.Queue(MAX_WAITING)
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def call(self) -> bool:
         """Ask the engine to reset, on the caller's thread; False if the call was not passed
         on."""
         try:
-            self._waiting.put_nowait(None)
+            self._waiting.put_nowait(True)
         except queue.Full:
             log.warning(
                 "upstream: %d calls of the engine's reset %s are waiting already; "
@@ -52,9 +55,17 @@ class EngineResetCaller:
             self._thread = thread
         return True
 
+    def close(self) -> None:
+        """End the thread, with no more calls (it does not outlive its daemon's pipeline, in
+        a process that runs several); never waits, whatever the engine holds it in."""
+        self._closed = True
+        if self._thread is not None:
+            with contextlib.suppress(queue.Full):  # full: it ends after the call it makes
+                self._waiting.put_nowait(False)
+            self._thread = None
+
     def _run(self) -> None:
-        while True:
-            self._waiting.get()
+        while self._waiting.get() and not self._closed:
             self._post()
 
     def _post(self) -> None:

@@ -668,6 +668,8 @@ class RankPipeline:
         if self._snapshot is not None:
             self._snapshot.cancel()
         self.publisher.close(linger_ms)
+        if self._engine_reset is not None:
+            self._engine_reset.close()
         if self._seq_state is not None:
             self._seq_state.close()
         self.cache.close()
