@@ -195,6 +195,10 @@ def test_an_engine_store_of_many_blocks_goes_out_in_chained_parts() -> None:
     assert [t for p in parts for t in p.token_ids] == big.token_ids
     assert [k for p in parts for k in p.extra_keys or []] == big.extra_keys
     assert rank.held() == set(hashes)
+    # One that cannot be cut (its tokens are not its blocks') is checked whole: skipped.
+    uncut = msgspec.structs.replace(stored(*range(5000, 7500)), token_ids=[1, 2, 3])
+    assert rank.out(uncut) == []
+    assert rank.relay.non_dense_blocks == 2500
 
 
 def test_stores_no_subscriber_takes_are_not_republished() -> None:

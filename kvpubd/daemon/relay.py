@@ -279,10 +279,13 @@ class Relay:
             return  # a store of no blocks: nothing to republish (subscribers refuse one)
         if len(raw) > PART_BLOCKS:
             # Republished in parts, chained, as kvpubd's own stores go out (a batch holds
-            # 1024 blocks at most: one engine store of a million went out whole).
-            for part in in_parts(event, PART_BLOCKS):
-                self._stored(part)
-            return
+            # 1024 blocks at most: one engine store of a million went out whole). One that
+            # cannot be cut goes on whole, to the checks below.
+            parts = in_parts(event, PART_BLOCKS)
+            if len(parts) > 1:
+                for part in parts:
+                    self._stored(part)
+                return
         if token_count(event.token_ids) != len(raw) * size or (
             extra is not None and len(extra) != len(raw)
         ):
