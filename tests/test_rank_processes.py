@@ -553,15 +553,18 @@ def test_a_reset_is_not_held_behind_other_clients_stores(lead: str | None) -> No
     behind them, the reset would clear every one of them. With ``lead``, the other client's
     stores follow an op of its own still unanswered (stats): they once followed it onto the
     priority connection, and the reset waited behind all of them."""
-    # Enough work behind the first reply (about 64k blocks) that a loaded machine does not
-    # finish every store before the reset is sent: CI once saw all 32 of 512 blocks done.
-    stores = 128
+    # Enough work behind the first reply (about 128k blocks) that a loaded machine does not
+    # finish every store before the reset is sent: CI once saw all 32 of 512 blocks done,
+    # and once all 128 (its client connected only after the first reply; now before).
+    stores = 256
     daemon = service({"cache": {"num_blocks": 80_000}}).start(timeout=60)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         storer = context.socket(zmq.DEALER)
         storer.setsockopt(zmq.LINGER, 0)
         storer.connect(daemon.control_endpoint)
+        client = daemon.client()
+        client.ping()  # connected before the stores go
         if lead is not None:
             storer.send_multipart([b"", msgpack.packb({"op": lead, "id": -1})])
         for n in range(stores):
@@ -574,7 +577,7 @@ def test_a_reset_is_not_held_behind_other_clients_stores(lead: str | None) -> No
             }
             storer.send_multipart([b"", msgpack.packb(request)])
         assert storer.poll(30_000)  # the worker has started on them
-        with daemon.client() as client:
+        with client:
             client.reset(rank=1, force=True)
             for _ in range(stores + (lead is not None)):
                 assert storer.poll(60_000)
