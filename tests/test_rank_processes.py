@@ -553,10 +553,11 @@ def test_a_reset_is_not_held_behind_other_clients_stores(lead: str | None) -> No
     behind them, the reset would clear every one of them. With ``lead``, the other client's
     stores follow an op of its own still unanswered (stats): they once followed it onto the
     priority connection, and the reset waited behind all of them."""
-    # Enough work behind the first reply (about 128k blocks) that a loaded machine does not
-    # finish every store before the reset is sent: CI once saw all 32 of 512 blocks done,
-    # and once all 128 (its client connected only after the first reply; now before).
-    stores = 256
+    # Enough work behind the first reply (about 256k blocks, each store released behind it so
+    # that the pool never runs out) that a loaded machine does not finish every store before
+    # the reset is sent: CI once saw all 32 stores of 512 blocks done, and twice all 128
+    # (its client connected only after the first reply; now before).
+    stores = 512
     daemon = service({"cache": {"num_blocks": 80_000}}).start(timeout=60)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
@@ -576,10 +577,12 @@ def test_a_reset_is_not_held_behind_other_clients_stores(lead: str | None) -> No
                 "token_ids": np.asarray(prompt(100 + n, 512), dtype="<u4").tobytes(),
             }
             storer.send_multipart([b"", msgpack.packb(request)])
+            release = {"op": "release", "id": f"r{n}", "request_id": n}
+            storer.send_multipart([b"", msgpack.packb(release)])
         assert storer.poll(30_000)  # the worker has started on them
         with client:
             client.reset(rank=1, force=True)
-            for _ in range(stores + (lead is not None)):
+            for _ in range(2 * stores + (lead is not None)):
                 assert storer.poll(60_000)
                 storer.recv_multipart()
             assert client.stats().ranks[1].blocks_cached > 0
