@@ -48,11 +48,11 @@ from kvpubd.protocol.wire import (
     token_count,
     token_list,
 )
+from kvpubd.upstream.throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
-RESTART_LOG_EVERY_S = 10.0  # one warning for restarts and losses that come faster
 PART_BLOCKS = 1024  # blocks of one engine store republished as one event at most
 Lane = tuple[int | None, str | None]  # group_idx, medium
 # A block's key: its hash in the first lane the engine stored in since the relay was last
@@ -117,8 +117,7 @@ class Relay:
         self._clears_due = 0
         # While a loss or a restart not known for one voids the blocks: a fence stays on.
         self._keeping_fence = False
-        self._restart_logged_at = -1e9  # a flood of restarts is not a flood of log lines
-        self._restarts_unlogged = 0
+        self._restarts_log = ThrottledLog(log)  # a flood of restarts is not a flood of lines
         # A per-block engine's blocks at the reset that it must still remove, and their lanes.
         self._fence_blocks: tuple[Blocks, dict[Lane, int]] | None = None
         self._decoded: tuple[BlockStored, list[Any], dict[BlockHash, int]] | None = None
@@ -181,13 +180,7 @@ class Relay:
         reset): a loss may have taken the engine's clear or not, and seqs that only went back
         (an engine out of order, or restarted behind a proxy) may be followed by its history
         from seq 0, from before the reset."""
-        now = time.monotonic()
-        if now - self._restart_logged_at >= RESTART_LOG_EVERY_S:
-            more = f" ({self._restarts_unlogged} more since)" if self._restarts_unlogged else ""
-            log.warning("upstream: %s; publishing AllBlocksCleared%s", why, more)
-            self._restart_logged_at, self._restarts_unlogged = now, 0
-        else:
-            self._restarts_unlogged += 1
+        self._restarts_log.warning("upstream: %s; publishing AllBlocksCleared", why)
         self._keeping_fence = not new_engine
         try:
             self._engine_cleared()

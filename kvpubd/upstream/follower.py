@@ -35,7 +35,6 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -50,10 +49,10 @@ from kvpubd.upstream.flavours import (
     UpstreamPayloadError,
 )
 from kvpubd.upstream.replay import ReplayClient
+from kvpubd.upstream.throttled_log import ThrottledLog
 
 # Messages read from the SUB socket per round of the loop at most.
 BURST = 256
-MALFORMED_LOG_EVERY_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +141,7 @@ class EngineFollower:
         self._pending = Condition.NONE  # for the next batch given out
         self._missing = 0
         self._closed = False
-        self._malformed_logged_at = -MALFORMED_LOG_EVERY_S
-        self._malformed_logged = 0  # counters.malformed when the last line was logged
+        self._malformed_log = ThrottledLog(log)
         self._idle_ms = int(idle_check * 1000) if idle_check and self._replay else None
         # Live seqs a catch-up gave out already: (after, through]; None: no catch-up pending.
         self._caught_up: tuple[int, int] | None = None
@@ -375,16 +373,9 @@ class EngineFollower:
         return batch
 
     def _malformed(self, why: str) -> None:
-        """Counted, and logged once every MALFORMED_LOG_EVERY_S at most (an engine that sends
-        nothing but junk is not a log line per message)."""
+        """Counted, and logged (at most one line every few seconds)."""
         self.counters.malformed += 1
-        now = time.monotonic()
-        if now - self._malformed_logged_at < MALFORMED_LOG_EVERY_S:
-            return
-        unlogged = self.counters.malformed - self._malformed_logged - 1
-        more = f" ({unlogged} more since the last such line)" if unlogged else ""
-        log.warning("upstream: skipped %.200s%s", why, more)
-        self._malformed_logged_at, self._malformed_logged = now, self.counters.malformed
+        self._malformed_log.warning("upstream: skipped %.200s", why)
 
     def _lose(self, count: int) -> None:
         if count <= 0:
