@@ -195,10 +195,9 @@ class Metrics:
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return "400 Bad Request", "text/plain", b"bad request line\n"
-        method, target, _ = parts
-        if method not in ("GET", "HEAD"):
+        if parts[0] not in ("GET", "HEAD"):
             return "405 Method Not Allowed", "text/plain", b"only GET and HEAD\n"
-        path = target.split("?", 1)[0]
+        path = _path_of(head)
         if path == "/healthz":
             problem = self._health()
             if problem is None:
