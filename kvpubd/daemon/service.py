@@ -244,8 +244,10 @@ class Service:
         started again right away can take them)."""
         if not self._exit.is_set():
             log.info("shutdown requested")
-        if linger_ms is not None:
-            self._exit_linger_ms = min(linger_ms, self._exit_linger_ms or linger_ms)
+        if linger_ms is not None and (
+            self._exit_linger_ms is None or linger_ms < self._exit_linger_ms
+        ):
+            self._exit_linger_ms = linger_ms
         self._exit.set()
 
     async def startup(self) -> None:
