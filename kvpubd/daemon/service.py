@@ -422,7 +422,7 @@ class Service:
         if self._context is not None:
             # Closes what a failed start-up left open, then waits up to each socket's linger
             # (linger_ms for PUB) for queued messages to reach subscribers.
-            _attempt("zmq context", functools.partial(self._context.destroy, self._exit_linger_ms))
+            _attempt("zmq context", self._context.destroy)
             self._context = None
         # Last, so that no second daemon can start before this one let go of everything.
         locks, self._locks = self._locks, []
