@@ -66,6 +66,28 @@ async def across_a_gap(
     return [b for b in collector.batches if b.seq >= first_hole], first_hole, lost_joining
 
 
+async def across_a_restart(
+    engine: Engine, collector: Collector, more_before: int = 0
+) -> tuple[list[FollowedBatch], int]:
+    """The engine publishes until ``collector`` follows it (and ``more_before`` batches more),
+    restarts on the same endpoints and publishes until the follower has its new history: the
+    batches given out after the first engine's, and the next key."""
+    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+    for _ in range(more_before):
+        engine.publish(key)
+        key += 1
+    before = key
+    await collector.until(lambda: len(collector.batches) == before, "the first engine's")
+    engine.shutdown()
+    engine.start()
+    key = await publish_until(
+        engine, collector, lambda: len(collector.batches) > before, RESTARTED_KEYS
+    )
+    await collector.until(lambda: len(collector.batches) == before + engine.published, "all")
+    await collector.stop()
+    return collector.batches[before:], key
+
+
 def seqs(batches: list[FollowedBatch]) -> list[int]:
     return [b.seq for b in batches]
 
@@ -173,17 +195,7 @@ async def test_an_engine_restart_is_detected(engine: Engine) -> None:
     """The engine restarts on the same endpoints, its seqs from 0 again: the follower marks
     the new engine's first batch RESTART and gives out its whole history from seq 0."""
     collector = Collector(follower(engine))
-    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
-    before = key
-    await collector.until(lambda: len(collector.batches) == before, "the first engine's")
-    engine.shutdown()
-    engine.start()
-    key = await publish_until(
-        engine, collector, lambda: len(collector.batches) > before, RESTARTED_KEYS
-    )
-    await collector.until(lambda: len(collector.batches) == before + engine.published, "all")
-    await collector.stop()
-    after = collector.batches[before:]
+    after, key = await across_a_restart(engine, collector)
     assert seqs(after) == list(range(engine.published))
     assert [b.events for b in after] == [[engine.expected(k)] for k in range(RESTARTED_KEYS, key)]
     assert after[0].condition & Condition.RESTART
@@ -201,21 +213,8 @@ async def test_seqs_that_go_back_on_a_connection_kept_are_not_a_new_engine_for_c
     again from seq 0), but not NEW_ENGINE, which an engine's seqs going back alone cannot
     tell (a reset's fence stays on: see Relay.restart)."""
     collector = Collector(follower(engine, relay.endpoint))
-    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
-    for _ in range(20):
-        engine.publish(key)
-        key += 1
-    before = key
-    await collector.until(lambda: len(collector.batches) == before, "the first engine's")
-    engine.shutdown()
-    engine.start()
-    key = await publish_until(
-        engine, collector, lambda: len(collector.batches) > before, RESTARTED_KEYS
-    )
-    await collector.until(lambda: len(collector.batches) == before + engine.published, "all")
-    await collector.stop()
-    after = collector.batches[before:]
-    assert engine.published < before  # went back
+    after, _ = await across_a_restart(engine, collector, more_before=20)
+    assert engine.published < len(collector.batches) - len(after)  # went back
     assert seqs(after) == list(range(engine.published))
     assert after[0].condition & Condition.RESTART
     assert not after[0].condition & Condition.NEW_ENGINE
