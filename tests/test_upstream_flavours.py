@@ -240,3 +240,45 @@ def test_a_payload_over_the_limit_is_refused_before_decoding() -> None:
 def test_an_unknown_flavour_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown engine flavour"):
         FlavourDecoder("llamacpp")  # type: ignore[arg-type]
+
+
+def stepwise_payloads() -> list[tuple[str, bytes]]:
+    """(flavour, payload) of each event form a flavour sends, many events a batch: vLLM's and
+    SGLang's own types (where their files are here) and the array and map forms above."""
+    old_vllm = ["BlockStored", [7], None, [5, 6], 2, None]
+    sglang_array = ["BlockStored", [1], None, [[1, 2], [3, 4]], 2, None]
+    forms: list[tuple[str, list[Any]]] = [
+        ("vllm", [STORED_MAP, {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"}]),
+        ("vllm", [old_vllm, ["AllBlocksCleared"]]),
+        ("sglang", [sglang_array, STORED_MAP]),
+        ("trtllm", [trtllm_stored(), {"type": "BlockRemoved", "block_hashes": [5]}]),
+    ]
+    return [(f, msgpack.packb([1.0, events * 2_000, 3])) for f, events in forms]
+
+
+@pytest.mark.parametrize(("flavour", "payload"), stepwise_payloads())
+@pytest.mark.parametrize("tokens_encoded", [False, True])
+def test_a_batch_decoded_stepwise_is_the_batch_decoded_whole(
+    flavour: str, payload: bytes, tokens_encoded: bool
+) -> None:
+    """A slice of events at a time, each at most the bytes asked (an event larger than that
+    alone), and the same batch in the end."""
+    decoder = FlavourDecoder(flavour, tokens_encoded=tokens_encoded)  # type: ignore[arg-type]
+    steps = list(decoder.decode_stepwise(payload, slice_bytes=1_000))
+    *sizes, batch = steps
+    assert batch == decoder.decode(payload)
+    assert len(sizes) > 1 and all(isinstance(size, int) and size <= 1_000 for size in sizes)
+    # Every event's bytes in one slice or another: all of the payload but its envelope.
+    assert len(payload) - 20 < sum(sizes) < len(payload)  # type: ignore[arg-type]
+
+
+def test_a_large_event_is_a_slice_of_its_own_and_a_bad_one_refuses_the_batch() -> None:
+    big = {**STORED_MAP, "block_hashes": list(range(500)), "token_ids": [1] * 500}
+    payload = msgpack.packb([1.0, [STORED_MAP, big, STORED_MAP], 0])
+    sizes = list(FlavourDecoder("vllm").decode_stepwise(payload, slice_bytes=100))[:-1]
+    assert sizes == [len(msgpack.packb(e)) for e in (STORED_MAP, big, STORED_MAP)]
+    bad = msgpack.packb([1.0, [STORED_MAP] * 100 + [{**STORED_MAP, "token_ids": [-1]}], 0])
+    with pytest.raises(UpstreamPayloadError):
+        list(FlavourDecoder("vllm").decode_stepwise(bad, slice_bytes=100))
+    with pytest.raises(UpstreamPayloadError, match="over the"):
+        list(FlavourDecoder("vllm", max_payload_bytes=10).decode_stepwise(bad))

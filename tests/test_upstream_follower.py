@@ -4,12 +4,14 @@ that replay cannot fill, engine restarts, and batches that do not decode."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvpubd.upstream.flavours import DECODE_SLICE_BYTES
 from kvpubd.upstream.follower import Condition, EngineFollower, FollowedBatch
 from tests.upstream_engines import ENGINES, Collector, Engine, Relay, publish_until
 
@@ -449,3 +451,37 @@ async def test_a_message_over_the_payload_limit_loses_that_batch_and_no_more(
     assert after[0].condition & Condition.LOST and after[0].missing_before >= 1
     assert seqs(after) == list(range(after[0].seq, engine.published))
     assert collector.follower.counters.reconnects >= 1
+
+
+async def test_a_large_batch_is_decoded_a_slice_per_loop_turn(engine: Engine) -> None:
+    """A batch of several megabytes took one step of the loop to decode (15 ms a megabyte),
+    and a reset waited behind it: it goes a slice of DECODE_SLICE_BYTES per loop turn, and
+    comes out whole."""
+    collector = Collector(follower(engine))
+    key = await publish_until(engine, collector, lambda: bool(collector.batches), 0)
+    await collector.until(lambda: collector.batches[-1].seq == key - 1, "the warm-up")
+    counters = collector.follower.counters
+    vllm_only = {"medium": "GPU", "lora_name": None} if engine.flavour == "vllm" else {}
+    events = [
+        engine.kv.BlockStored(
+            block_hashes=[1_000_000 + i],
+            parent_block_hash=None,
+            token_ids=list(range(i, i + 64)),
+            block_size=64,
+            lora_id=None,
+            **vllm_only,
+        )
+        for i in range(20_000)
+    ]
+    before = counters.decoded_bytes
+    big_seq = engine.publish_events(events)
+    per_turn = []
+    while not collector.batches or collector.batches[-1].seq != big_seq:
+        decoded = counters.decoded_bytes
+        await asyncio.sleep(0)
+        per_turn.append(counters.decoded_bytes - decoded)
+        assert len(per_turn) < 10_000_000, "the batch never came out"
+    await collector.stop()
+    assert counters.decoded_bytes - before > 3 * 2**20  # megabytes of events
+    assert max(per_turn) <= DECODE_SLICE_BYTES, max(per_turn)
+    assert len(collector.batches[-1].events) == len(events)

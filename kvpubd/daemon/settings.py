@@ -405,7 +405,7 @@ class UpstreamConfig(_Section):
     # an engine that never removes cannot grow the daemon without bound.
     max_blocks: int = Field(4_000_000, ge=1, le=1 << 40)
     # An engine message larger than this is lost (ZeroMQ drops the connection on it; kvpubd
-    # connects again): its decoding holds the loop in one piece.
+    # connects again): a batch is held decoded whole (several times its size) until relayed.
     max_payload_bytes: int = Field(8 << 20, ge=1 << 16, le=1 << 30)
 
     @field_validator("endpoint", "replay_endpoint")

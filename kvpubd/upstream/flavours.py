@@ -17,12 +17,13 @@ releases; a 4th element, vLLM's publisher id, is ignored). The events differ:
 An unset ``medium`` becomes ``default_medium``; ``medium_aliases`` renames media (SGLang's
 host tier is ``"CPU_PINNED"`` where vLLM's is ``"CPU"``). Anything else raises
 ``UpstreamPayloadError``: the caller counts the payload and skips it. The work is bounded by the
-payload's size (``max_payload_bytes``) and msgspec's nesting limit.
+payload's size (``max_payload_bytes``) and msgspec's nesting limit; ``decode_stepwise`` cuts
+it into slices of about a millisecond each (one event is never cut).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, cast
 
@@ -33,8 +34,11 @@ from kvpubd.protocol import wire
 Flavour = Literal["vllm", "sglang", "trtllm"]
 FLAVOURS: tuple[Flavour, ...] = ("vllm", "sglang", "trtllm")
 # An engine's batch is one step's events (about 100 bytes a block: a few hundred KB at most);
-# decoding one takes a loop step in one piece (about 15 ms a MB), so larger ones are lost.
+# larger ones are lost (a batch is held decoded whole, several times its size, before it is
+# relayed).
 DEFAULT_MAX_PAYLOAD_BYTES = 8 << 20
+# Decoded in one loop step at most: about a millisecond (larger batches go a slice at a time).
+DECODE_SLICE_BYTES = 64 << 10
 
 MAX_TOKEN_ID = (1 << 32) - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
@@ -154,6 +158,21 @@ def _envelope(events: Any) -> type[msgspec.Struct]:
     )
 
 
+class _Decoders:
+    """One flavour's decoders of a list of events: straight into the wire types (``direct``:
+    None where the flavour's events need converting), its common case, and any objects."""
+
+    def __init__(self, direct: Any, strict: Any, wrap: Any) -> None:
+        self.direct = None if direct is None else msgspec.msgpack.Decoder(wrap(list[direct]))
+        self.fast = msgspec.msgpack.Decoder(wrap(list[strict]))
+        self.raw = msgspec.msgpack.Decoder(wrap(list[Any]))
+
+
+def _events_array(raws: list[msgspec.Raw]) -> bytes:
+    """The msgpack array of the events ``raws`` (each one encoded event)."""
+    return b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws)
+
+
 class FlavourDecoder:
     """Decodes one flavour's payloads into ``UpstreamBatch`` es of canonical events."""
 
@@ -176,33 +195,72 @@ class FlavourDecoder:
         self.medium_aliases = dict(medium_aliases or {})
         self.max_payload_bytes = max_payload_bytes
         self._spec = _SPECS[flavour]
-        strict: Any = self._spec.strict
-        self._fast = msgspec.msgpack.Decoder(_envelope(list[strict]))
-        self._raw = msgspec.msgpack.Decoder(_envelope(list[Any]))
         direct: Any = self._spec.direct if tokens_encoded else None
-        self._direct = None if direct is None else msgspec.msgpack.Decoder(_envelope(list[direct]))
+        self._whole = _Decoders(direct, self._spec.strict, _envelope)
+        self._listed = _Decoders(direct, self._spec.strict, lambda events: events)
+        self._outline = msgspec.msgpack.Decoder(_envelope(list[msgspec.Raw]))
 
     def decode(self, payload: bytes) -> UpstreamBatch:
+        """The whole batch in one step (about 15 ms a MB; see ``decode_stepwise``)."""
+        self._check_size(payload)
+        try:
+            batch, events = self._decoded(self._whole, payload)
+        except (msgspec.DecodeError, RecursionError, ValueError) as exc:
+            raise self._refused(exc) from None
+        return UpstreamBatch(batch.ts, events, batch.rank)
+
+    def decode_stepwise(
+        self, payload: bytes, slice_bytes: int = DECODE_SLICE_BYTES
+    ) -> Iterator[int | UpstreamBatch]:
+        """The batch decoded ``slice_bytes`` of its events at a time (one event larger than
+        that alone): yields the bytes of each slice once it is decoded, then the batch, so
+        that the caller can let the loop turn in between. Refused as a whole as ``decode``
+        refuses it (UpstreamPayloadError)."""
+        self._check_size(payload)
+        try:
+            outline: Any = self._outline.decode(payload)
+            raws: list[msgspec.Raw] = outline.events
+            events: list[wire.Event] = []
+            start = 0
+            while start < len(raws):
+                stop, size = start + 1, len(raws[start])
+                while stop < len(raws) and size + len(raws[stop]) <= slice_bytes:
+                    size += len(raws[stop])
+                    stop += 1
+                events += self._decoded(self._listed, _events_array(raws[start:stop]))[1]
+                start = stop
+                yield size
+        except (msgspec.DecodeError, RecursionError, ValueError) as exc:
+            raise self._refused(exc) from None
+        yield UpstreamBatch(outline.ts, events, outline.rank)
+
+    def _check_size(self, payload: bytes) -> None:
         if len(payload) > self.max_payload_bytes:
             raise UpstreamPayloadError(
                 f"payload of {len(payload)} bytes is over the {self.max_payload_bytes} allowed"
             )
-        try:
-            if self._direct is not None:
-                try:
-                    batch: Any = self._direct.decode(payload)
-                    return UpstreamBatch(batch.ts, self._settled(batch.events), batch.rank)
-                except msgspec.ValidationError:
-                    pass  # an older release's form: converted below
+
+    def _refused(self, exc: Exception) -> UpstreamPayloadError:
+        # (ValidationError is a DecodeError; ValueError: token ids that are no array)
+        return UpstreamPayloadError(f"not a {self.flavour} KV-event batch: {exc}")
+
+    def _decoded(self, decoders: _Decoders, payload: bytes) -> tuple[Any, list[wire.Event]]:
+        """``payload`` decoded by ``decoders``, and its events in canonical form: straight
+        into the wire types where they fit, else converted."""
+        whole = decoders is self._whole  # an envelope, else a list of events
+        if decoders.direct is not None:
             try:
-                batch = self._fast.decode(payload)
+                got: Any = decoders.direct.decode(payload)
+                return got, self._settled(got.events if whole else got)
             except msgspec.ValidationError:
-                batch = self._raw.decode(payload)
-                batch.events = [self._event(obj) for obj in batch.events]
-            return UpstreamBatch(batch.ts, [self._canonical(e) for e in batch.events], batch.rank)
-        except (msgspec.DecodeError, RecursionError, ValueError) as exc:
-            # (ValidationError is a DecodeError; ValueError: token ids that are no array)
-            raise UpstreamPayloadError(f"not a {self.flavour} KV-event batch: {exc}") from None
+                pass  # an older release's form: converted below
+        try:
+            got = decoders.fast.decode(payload)
+            found = got.events if whole else got
+        except msgspec.ValidationError:
+            got = decoders.raw.decode(payload)
+            found = [self._event(obj) for obj in (got.events if whole else got)]
+        return got, [self._canonical(e) for e in found]
 
     def _settled(self, events: list[wire.Event]) -> list[wire.Event]:
         """Events decoded straight into the wire types, with their medium filled (and

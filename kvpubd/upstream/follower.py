@@ -32,6 +32,7 @@ answer is bounded the same way (``max_replay_batches``) and every message by
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import inspect
 import logging
@@ -43,9 +44,11 @@ import zmq.asyncio
 
 from kvpubd.protocol.wire import Event, split_live
 from kvpubd.upstream.flavours import (
+    DECODE_SLICE_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES,
     Flavour,
     FlavourDecoder,
+    UpstreamBatch,
     UpstreamPayloadError,
 )
 from kvpubd.upstream.replay import ReplayClient
@@ -89,6 +92,7 @@ class FollowerCounters:
     duplicates: int = 0  # live batches a catch-up (idle_check) had given out already
     replays_repeated: int = 0  # answers with batches dropped on the way, asked for again
     reconnects: int = 0  # connections to the engine's PUB socket lost (and made again)
+    decoded_bytes: int = 0  # of payloads (a large one's events: as each slice is decoded)
 
 
 OnBatch = Callable[[FollowedBatch], Awaitable[None] | None]
@@ -282,7 +286,7 @@ class EngineFollower:
             async for batch in self._fill(seq):
                 yield batch
         self._disconnected = False
-        taken = self._accept(seq, payload, Condition.NONE)
+        taken = await self._accept(seq, payload, Condition.NONE)
         if taken is not None:
             yield taken
 
@@ -322,7 +326,7 @@ class EngineFollower:
                         dropped = True  # on the way: asked for again below
                         continue
                     self._lose(seq - self._next_seq())  # the ring has moved past them
-                batch = self._accept(seq, payload, Condition.REPLAYED)
+                batch = await self._accept(seq, payload, Condition.REPLAYED)
                 if batch is not None:
                     yield batch
             outcome = self._replay.outcome
@@ -348,10 +352,10 @@ class EngineFollower:
                 self._lose(stop - self._next_seq())
             return
 
-    def _accept(self, seq: int, payload: bytes, condition: Condition) -> FollowedBatch | None:
+    async def _accept(self, seq: int, payload: bytes, condition: Condition) -> FollowedBatch | None:
         self._last, self._last_payload = seq, payload
         try:
-            decoded = self.decoder.decode(payload)
+            decoded = await self._decoded(payload)
         except UpstreamPayloadError as exc:
             self._malformed(f"batch {seq} does not decode: {exc}")
             self._pending |= Condition.LOST
@@ -371,6 +375,21 @@ class EngineFollower:
         )
         self._missing = 0
         return batch
+
+    async def _decoded(self, payload: bytes) -> UpstreamBatch:
+        """The payload decoded, a slice per loop turn when it is large (a megabyte in one
+        piece held the loop about 15 ms, and a reset with it)."""
+        counters = self.counters
+        if len(payload) <= DECODE_SLICE_BYTES:
+            decoded = self.decoder.decode(payload)
+            counters.decoded_bytes += len(payload)
+            return decoded
+        for step in self.decoder.decode_stepwise(payload):
+            if isinstance(step, UpstreamBatch):
+                return step
+            counters.decoded_bytes += step
+            await asyncio.sleep(0)
+        raise AssertionError("decode_stepwise ends with the batch")
 
     def _malformed(self, why: str) -> None:
         """Counted, and logged (at most one line every few seconds)."""
