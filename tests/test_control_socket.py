@@ -125,3 +125,30 @@ def test_a_client_that_does_not_read_gets_no_second_snapshot_queued(
         assert answers[2]["error"]["code"] == "busy"
         assert answers[1]["ok"] and answers[3]["ok"]
         assert len(answers[3]["events"]) == len(answers[1]["events"]) == blocks
+
+
+def test_a_client_that_reads_late_gets_every_reply_and_nothing_done_unanswered(
+    start_daemon: DaemonFactory,
+) -> None:
+    """A client pipelines more stores than ZeroMQ queues replies for (1000 per connection,
+    about 2000 with its own queue and the socket's buffers) and reads them all only then.
+    ZeroMQ dropped the replies past that, of stores carried out: the client never learnt
+    their blocks and waited for them for good. Now the daemon keeps them, and refuses the
+    client's further requests ``busy`` without carrying them out until it reads: every request
+    is answered, and each store answered ok is open, no other."""
+    count = 4_000
+    daemon = start_daemon(cache={"num_blocks": 2 * count}, control={"max_open_requests": count})
+    with two_clients(daemon.control_endpoint) as (late, other):
+        for number in range(count):
+            late.send_multipart(
+                request("store", number, request_id=number, token_ids=[number] * 16)
+            )
+        answers = [reply_of(late) for _ in range(count)]
+        assert [a["id"] for a in answers] == list(range(count))
+        stored = sum(a["ok"] for a in answers)
+        refused = [a["error"]["code"] for a in answers if not a["ok"]]
+        assert set(refused) <= {"busy"} and stored + len(refused) == count
+        other.send_multipart(request("stats", count))
+        (rank,) = reply_of(other)["ranks"]
+        assert rank["requests_open"] == stored
+        assert not late.poll(100)  # nothing more: one reply per request

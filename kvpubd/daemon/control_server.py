@@ -14,9 +14,10 @@ import logging
 import os
 import stat
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import zmq
 
@@ -48,6 +49,12 @@ UNSENT_POLL_S = 0.005
 # client, and any a proxy or a correlating DEALER put in front (a rank worker's requests come
 # from its service's DEALER, each with a correlation frame).
 MAX_ENVELOPE_FRAMES = 8
+# A client whose ZeroMQ reply queue is full (it does not read): its replies wait in the daemon,
+# tried again this often, and its new requests are refused ``busy`` unexecuted, that many at
+# most; past that they are dropped unread (each still unexecuted). ZeroMQ dropped such replies
+# before, of requests it had carried out.
+BACKLOG_RETRY_S = 0.005
+MAX_REFUSALS_HELD = 10_000
 # Plain ints: pyzmq's send_multipart combines its flag enums per frame, which costs more than
 # the three sends themselves.
 _REPLY_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -96,6 +103,11 @@ class ControlServer:
         # whose next snapshot waits for that (see _snapshot).
         self._unsent: dict[Route, zmq.MessageTracker] = {}
         self._deferred: set[Route] = set()
+        # Per client (its ROUTER identity) whose queue was full: the replies waiting, in order,
+        # and how many of them are refusals of requests it sent meanwhile.
+        self._backlog: dict[bytes, deque[tuple[Route, bytes | memoryview]]] = {}
+        self._refusals_held: dict[bytes, int] = {}
+        self._retry: asyncio.TimerHandle | None = None
 
     @property
     def socket(self) -> zmq.Socket[bytes] | None:
@@ -112,6 +124,8 @@ class ControlServer:
         config = self._config
         sock = self._sock = listener(self._context.socket(zmq.ROUTER), LIVE_AFFINITY, self._context)
         sock.setsockopt(zmq.LINGER, 0)
+        # A reply to a client whose queue is full raises Again (else ZeroMQ drops it): kept.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self._replies_bounded_by_client:
             # At the default (1000) a burst of replies its service read late was dropped, and
             # those requests were never answered.
@@ -159,6 +173,11 @@ class ControlServer:
         if self._curve is not None:
             self._curve.stop()
             self._curve = None
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._backlog.clear()
+        self._refusals_held.clear()
 
     def _serve(self) -> None:
         self._serve_scheduled = False
@@ -195,6 +214,10 @@ class ControlServer:
         reply: Reply | None = None
         if route is None:
             log.debug("control: dropped a message without the empty delimiter")
+        elif route[0] in self._backlog:
+            reply = self._not_read(route, frames)
+            if reply is None:
+                return
         elif self._curve is not None and not self._curve.admits(_metadata(message[-1], "User-Id")):
             reply = self._revoked(frames, len(route))
         else:
@@ -230,6 +253,20 @@ class ControlServer:
         if isinstance(request, Snapshot):
             return self._snapshot(route, request, body[0])
         return self._handler(request, owner, body[0], route)
+
+    def _not_read(self, route: Route, frames: list[bytes]) -> bytes | None:
+        """The answer to a request of a client whose earlier replies wait for it to read: it
+        is refused ``busy`` and not carried out, or, past MAX_REFUSALS_HELD such refusals,
+        dropped."""
+        self._metrics.refused("busy")
+        held = self._refusals_held.get(route[0], 0)
+        if held >= MAX_REFUSALS_HELD:
+            return None
+        self._refusals_held[route[0]] = held + 1
+        request_id = peek_id(frames[-1]) if len(frames) == len(route) + 2 else None
+        return error_reply(
+            request_id, "busy", "this client's earlier replies are not read: read them first"
+        )
 
     def _revoked(self, frames: list[bytes], envelope: int) -> Reply | None:
         """The answer to a client admitted by a key that is no longer authorised."""
@@ -286,26 +323,62 @@ class ControlServer:
             reply.then(lambda _reply, _error: self._snapshots.discard(key))
         return reply
 
-    def _send(self, identity: Route, reply: Any) -> None:
+    def _send(self, identity: Route, reply: bytes | memoryview) -> None:
         if self._sock is None:
             return
-        send = self._sock.send
-        try:
-            for frame in identity:
-                send(frame, _REPLY_MORE)
-            send(b"", _REPLY_MORE)
-            if isinstance(reply, bytes):
-                send(reply, _REPLY_LAST)
-                return
-            # Large replies (snapshots) go without a copy; the tracker says when ZeroMQ has
-            # written it out (it lets go of the buffer then).
-            tracker = send(reply, _REPLY_LAST, copy=False, track=True)
-        except zmq.ZMQError as exc:  # the client is gone or not reading: its loss
-            log.debug("control: reply dropped: %s", exc)
+        waiting = self._backlog.get(identity[0])
+        if waiting is not None:  # behind the replies that wait already
+            waiting.append((identity, reply))
             return
+        try:
+            self._write(identity, reply)
+        except zmq.Again:  # its queue is full: the reply waits here
+            self._backlog[identity[0]] = deque([(identity, reply)])
+            self._retry_later()
+        except zmq.ZMQError as exc:  # the client is gone: its loss
+            log.debug("control: reply dropped: %s", exc)
+
+    def _write(self, identity: Route, reply: bytes | memoryview) -> None:
+        """Hand the reply to ZeroMQ; zmq.Again (nothing sent) when the client's queue is full."""
+        assert self._sock is not None
+        send = self._sock.send
+        for frame in identity:
+            send(frame, _REPLY_MORE)
+        send(b"", _REPLY_MORE)
+        if isinstance(reply, bytes):
+            send(reply, _REPLY_LAST)
+            return
+        # Large replies (snapshots) go without a copy; the tracker says when ZeroMQ has
+        # written it out (it lets go of the buffer then).
+        tracker = send(reply, _REPLY_LAST, copy=False, track=True)
         if len(self._unsent) >= UNSENT_SWEEP:  # clients gone since: forget their done ones
             self._unsent = {peer: t for peer, t in self._unsent.items() if not t.done}
         self._unsent[identity] = tracker
+
+    def _retry_later(self) -> None:
+        if self._retry is None:
+            loop = asyncio.get_running_loop()
+            self._retry = loop.call_later(BACKLOG_RETRY_S, self._send_backlog)
+
+    def _send_backlog(self) -> None:
+        """Send what waits for each client, in order, as far as its queue takes it."""
+        self._retry = None
+        if self._sock is None:
+            return
+        for peer, waiting in list(self._backlog.items()):
+            try:
+                while waiting:
+                    self._write(*waiting[0])
+                    waiting.popleft()
+            except zmq.Again:
+                continue  # still full
+            except zmq.ZMQError as exc:  # the client is gone
+                log.debug("control: %d replies dropped: %s", len(waiting), exc)
+            del self._backlog[peer]
+            self._refusals_held.pop(peer, None)
+        if self._backlog:
+            self._retry_later()
+        self._rearm()
 
     def _send_settled(
         self, identity: Route, reply: bytes | memoryview | None, _: BaseException | None
