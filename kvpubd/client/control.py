@@ -133,7 +133,7 @@ class _Client(Generic[ContextT]):
         ControlError when the daemon refused it."""
         try:
             reply = _decode_reply.decode(frames[-1])
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # nested past msgspec's depth: this
             return None
         if not isinstance(reply, dict) or reply.get("id") != request_id:
             return None

@@ -58,7 +58,7 @@ def parse_live(frames: list[bytes], rank: int) -> LiveMessage:
     seq, payload = wire.split_live(frames)
     try:
         envelope = _ENVELOPE.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # nested past msgspec's depth: this
         raise ValueError(f"payload is not a batch: {exc}") from None
     named = envelope.data_parallel_rank
     if named is not None and named != rank:

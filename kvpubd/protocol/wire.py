@@ -408,11 +408,12 @@ _ARRAY_DECODER = msgspec.msgpack.Decoder(_ArrayBatch)
 
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode a payload frame in either wire form; raises ValueError when it is not a batch."""
+    # RecursionError: nested deeper than msgspec goes (a field typed Any lets it through).
     try:
         return _MAP_DECODER.decode(payload)
-    except msgspec.DecodeError as map_error:
+    except (msgspec.DecodeError, RecursionError) as map_error:
         try:
             batch = _ARRAY_DECODER.decode(payload)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             raise ValueError(f"payload is not a [ts, events, rank] batch: {map_error}") from None
     return EventBatch(batch.ts, [_from_twin(e) for e in batch.events], batch.data_parallel_rank)

@@ -1,0 +1,107 @@
+"""The client library facing a peer that sends what no kvpubd sends: values nested deeper than
+msgspec decodes (it raises RecursionError, not a DecodeError). Each is one unusable message,
+counted or ignored; none escapes from the client's calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import msgspec
+import pytest
+import zmq
+
+from kvpubd.client.control import ControlClient
+from kvpubd.client.subscriber import Subscriber
+from kvpubd.protocol.endpoints import rank_endpoint
+from kvpubd.protocol.wire import BlockStored, EventBatch, pack_seq
+
+WAIT_S = 10.0
+# A value nested 2000 arrays deep: past msgspec's limit, a couple of kilobytes.
+DEEP = b"\x91" * 2000 + b"\x01"
+
+
+def store(block_hash: int) -> BlockStored:
+    return BlockStored([block_hash], None, [1, 2], 2, None, "GPU", None)
+
+
+def test_a_batch_nested_too_deep_is_counted_malformed_and_the_stream_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A live batch whose event carries ``extra_keys`` nested 2000 deep: it raised
+    RecursionError out of ``receive`` (and again at every later repair that replayed it)."""
+    endpoint = f"ipc://{tmp_path}/pub"
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(rank_endpoint(endpoint, 0))
+    good = msgspec.msgpack.encode(EventBatch(1.0, [store(1)], 0))
+    # [ts, [{"type": "BlockStored", "extra_keys": DEEP}], rank]
+    head = [b"\x93", msgpack.packb(1.0), b"\x91\x82", msgpack.packb("type")]
+    tail = [msgpack.packb("BlockStored"), msgpack.packb("extra_keys"), DEEP, msgpack.packb(0)]
+    poisoned = b"".join(head + tail)
+    subscriber = Subscriber(endpoint, context=context)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        received: list[int] = []
+        seq = 0
+        while not received:  # joined once a good batch comes through
+            assert time.monotonic() < deadline, "never joined"
+            pub.send_multipart([b"", pack_seq(seq), good])
+            seq += 1
+            received += [r.seq for r in subscriber.receive(0.05)]
+        pub.send_multipart([b"", pack_seq(seq), poisoned])
+        pub.send_multipart([b"", pack_seq(seq + 1), good])
+        after: list[int] = []
+        while seq + 1 not in after:
+            assert time.monotonic() < deadline, "the batch after the poisoned one never came"
+            after += [r.seq for r in subscriber.receive(0.05)]
+        assert seq not in after
+        assert subscriber.tracker.streams[0].counters.malformed == 1
+    finally:
+        subscriber.close()
+        pub.close(linger=0)
+        context.term()
+
+
+@pytest.fixture
+def deep_then_real_router(tmp_path: Path) -> Iterator[str]:
+    """A ROUTER that answers each request first with a frame nested too deep, then with the
+    real reply to a ping."""
+    endpoint = f"ipc://{tmp_path}/ctl"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            identity, _, frame = router.recv_multipart()
+            request = msgpack.unpackb(frame)
+            router.send_multipart([identity, b"", DEEP])
+            reply = {"id": request["id"], "ok": True, "version": "0", "epoch": 1, "ranks": 1}
+            reply["endpoints"] = []
+            router.send_multipart([identity, b"", msgpack.packb(reply)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield endpoint
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+        router.close(linger=0)
+        context.term()
+
+
+def test_a_reply_nested_too_deep_is_ignored_by_the_control_client(
+    deep_then_real_router: str,
+) -> None:
+    """Any frame on the client's socket is looked at as a possible reply: one nested too
+    deep raised RecursionError out of ``ping`` (and out of store and reset alike)."""
+    with ControlClient(deep_then_real_router, timeout=WAIT_S) as client:
+        assert client.ping().epoch == 1
