@@ -45,3 +45,27 @@ def test_bytes_tokens_count_against_the_token_limit(start_daemon: DaemonFactory)
             client.store("big", np.arange(33))
         assert caught.value.code == "too_large"
         assert client.stats().ranks[0].requests_open == 1
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        np.array([-1] * 16, dtype=np.int64),  # was token 4294967295
+        np.array([2**32] * 16, dtype=np.int64),  # was token 0
+        np.array([0.9] * 16),  # was token 0
+        np.array([[1] * 16]),  # a batch of prompts, not one
+    ],
+    ids=["negative", "past-uint32", "float", "two-dimensional"],
+)
+def test_an_array_whose_ids_a_cast_would_change_is_refused(
+    daemon: Daemon, tokens: np.ndarray
+) -> None:
+    """The client packed any NumPy array as uint32 without a look: -1, 2**32 and 0.9 became
+    other token ids, and the prompt shared another prompt's blocks. As a list the same ids are
+    refused by the daemon; as an array the client refuses them before sending."""
+    with daemon.client() as client:
+        with pytest.raises(ValueError, match="token_ids"):
+            client.store("cast", tokens)
+        assert client.stats().ranks[0].requests_open == 0
+        as_uint16 = client.store("small", np.arange(16, dtype=np.uint16))
+        assert len(as_uint16.block_ids) == 1

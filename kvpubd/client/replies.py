@@ -48,6 +48,7 @@ from kvpubd.protocol.control import (
     int_list,
     packed_uint32,
 )
+from kvpubd.protocol.hashing import MAX_TOKEN_ID
 
 __all__ = [
     "BatchReply",
@@ -109,7 +110,7 @@ def store_request(
     travels as packed uint32 bytes (the fast form)."""
     if isinstance(token_ids, np.ndarray):
         # The fast form: no per-token decoding.
-        tokens = packed_uint32(token_ids.astype("<u4").tobytes())
+        tokens = packed_uint32(_uint32_bytes(token_ids))
     elif isinstance(token_ids, bytes):
         tokens = packed_uint32(token_ids)
     else:
@@ -122,6 +123,21 @@ def store_request(
         cache_salt=cache_salt,
         token_ids=tokens,
     )
+
+
+def _uint32_bytes(tokens: np.ndarray) -> bytes:
+    """The array's token ids packed as little-endian uint32; ValueError where a cast would
+    change one (a float, or an id out of range, wrapped silently: another prompt's blocks)."""
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ValueError(
+            f"token_ids: an array of token ids must be flat, of an integer dtype, "
+            f"not {tokens.ndim}-dimensional {tokens.dtype}"
+        )
+    if tokens.size and not (tokens.dtype.kind == "u" and tokens.dtype.itemsize <= 4):
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high > MAX_TOKEN_ID:
+            raise ValueError(f"token_ids: {low if low < 0 else high} is not in 0..{MAX_TOKEN_ID}")
+    return tokens.astype("<u4").tobytes()
 
 
 def release_request(request_id: RequestId) -> Release:
