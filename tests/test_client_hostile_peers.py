@@ -15,9 +15,10 @@ import pytest
 import zmq
 
 from kvpubd.client.control import ControlClient
-from kvpubd.client.subscriber import Subscriber
+from kvpubd.client.subscriber import MAX_RESTARTS_PER_CALL, Subscriber
+from kvpubd.client.tracker import Snapshot, StreamTracker, SubscriberError
 from kvpubd.protocol.endpoints import rank_endpoint
-from kvpubd.protocol.wire import BlockStored, EventBatch, pack_seq
+from kvpubd.protocol.wire import AllBlocksCleared, BlockStored, Event, EventBatch, pack_seq
 
 WAIT_S = 10.0
 # A value nested 2000 arrays deep: past msgspec's limit, a couple of kilobytes.
@@ -105,3 +106,75 @@ def test_a_reply_nested_too_deep_is_ignored_by_the_control_client(
     deep raised RecursionError out of ``ping`` (and out of store and reset alike)."""
     with ControlClient(deep_then_real_router, timeout=WAIT_S) as client:
         assert client.ping().epoch == 1
+
+
+@pytest.fixture
+def two_runs_router(tmp_path: Path) -> Iterator[str]:
+    """A control socket whose ping and snapshot come from two daemon runs (epochs 1 and 2),
+    every time: a buggy daemon, or a proxy in front of two."""
+    endpoint = f"ipc://{tmp_path}/ctl"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            identity, _, frame = router.recv_multipart()
+            request = msgpack.unpackb(frame)
+            if request["op"] == "ping":
+                reply = {"id": request["id"], "ok": True, "epoch": 1, "ranks": 1}
+            else:
+                reply = {"id": request["id"], "ok": True, "seq": 10, "epoch": 2, "events": []}
+            router.send_multipart([identity, b"", msgpack.packb(reply)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield endpoint
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+        router.close(linger=0)
+        context.term()
+
+
+def test_answers_that_contradict_each_other_for_good_end_the_call(
+    two_runs_router: str, tmp_path: Path
+) -> None:
+    """Each snapshot of another run than the ping's restarted the subscriber, which pinged
+    again: ``catch_up`` spun for ever. It gives up with SubscriberError after a bound."""
+    with Subscriber(f"ipc://{tmp_path}/pub", control=two_runs_router) as subscriber:
+        with pytest.raises(SubscriberError, match="contradict"):
+            subscriber.catch_up()
+        assert subscriber.tracker.counters().restarts == MAX_RESTARTS_PER_CALL + 1
+
+
+def batch(*events: Event) -> bytes:
+    return msgspec.msgpack.encode(EventBatch(1.0, list(events), 0))
+
+
+def test_history_proven_lost_leaves_the_stream_unsynced_until_its_snapshot_comes() -> None:
+    """Replay shows seqs 102-103 gone; the snapshot that would repair it times out, or comes
+    back unusable. ``synced`` said True meanwhile (a router trusting it routed on a mirror
+    missing those batches), and the unusable reply dropped the snapshot request for good."""
+    for failure in ("timeout", "unusable"):
+        tracker = StreamTracker([0], replay=True, control=True)
+        tracker.on_ping({"epoch": 7, "ranks": 1})
+        tracker.on_replay(0, 0, [(100, batch(AllBlocksCleared())), (101, batch(store(1)))])
+        tracker.on_live(0, [b"", pack_seq(105), batch(store(5))])  # 102-104 missing
+        tracker.on_ping({"epoch": 7, "ranks": 1})
+        tracker.on_replay(0, 101, [(101, batch(store(1))), (104, batch(store(4)))])
+        assert tracker.next_request() == Snapshot(0)
+        assert not tracker.streams[0].synced
+        if failure == "timeout":
+            tracker.on_timeout()
+        else:
+            with pytest.raises(SubscriberError, match="unusable"):
+                tracker.on_snapshot(0, {"seq": "x", "epoch": 7, "events": []})
+        assert not tracker.streams[0].synced
+        if tracker.next_request() != Snapshot(0):  # a timeout: the epoch is checked first
+            tracker.on_ping({"epoch": 7, "ranks": 1})
+        assert tracker.next_request() == Snapshot(0)  # still asked

@@ -63,6 +63,8 @@ __all__ = [
 
 # Live messages read per rank per receive() call before the other ranks get a turn.
 BURST = 1000
+# Restarts within one call past which the daemon's answers are taken to contradict each other.
+MAX_RESTARTS_PER_CALL = 16
 
 SyncContext = zmq.Context[zmq.Socket[bytes]]
 ContextT = TypeVar("ContextT", SyncContext, zmq.asyncio.Context)
@@ -301,6 +303,16 @@ class _Base(Generic[ContextT, ControlT]):
         """The rank's cache as published (None when built with ``mirror=False``)."""
         return self.tracker.streams[rank].mirror
 
+    def _check_restarts(self, before: int) -> None:
+        """SubscriberError once one call has started over MAX_RESTARTS_PER_CALL times: answers
+        that contradict each other for good (a ping and a snapshot of two daemon runs, from a
+        buggy daemon or a proxy in front of two) restarted it for ever, never returning."""
+        if self.tracker.counters().restarts - before > MAX_RESTARTS_PER_CALL:
+            raise SubscriberError(
+                f"started over {MAX_RESTARTS_PER_CALL} times in one call: the daemon's answers "
+                "contradict each other (are two daemon runs behind one endpoint?)"
+            )
+
     def synced(self, rank: int = 0) -> bool:
         """False while the rank's mirror misses lost history (until the next reset marker)."""
         return self.tracker.streams[rank].synced
@@ -526,7 +538,9 @@ class Subscriber(_Base[SyncContext, ControlClient]):
 
     def _service(self) -> None:
         """Carry out what the tracker asks until it asks for nothing more."""
+        restarts = self.tracker.counters().restarts
         while (request := self.tracker.next_request()) is not None:
+            self._check_restarts(restarts)
             try:
                 self._ready.extend(self._perform(request))
             except TimeoutError:
@@ -627,7 +641,9 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
                 yield received
 
     async def _service(self) -> None:
+        restarts = self.tracker.counters().restarts
         while (request := self.tracker.next_request()) is not None:
+            self._check_restarts(restarts)
             try:
                 self._ready.extend(await self._perform(request))
             except TimeoutError:

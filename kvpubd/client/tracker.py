@@ -322,12 +322,13 @@ class StreamTracker:
     def on_snapshot(self, rank: int, reply: Mapping[str, Any]) -> list[Received]:
         """The reply to ``Snapshot(rank)``: ``{seq, epoch, events}``; the mirror becomes it."""
         stream = self.streams[rank]
-        stream.need_snapshot = False
         try:
             seq, epoch = int(reply["seq"]), int(reply["epoch"])
             events = [event_from_wire(e) for e in reply["events"]]
         except (KeyError, TypeError, ValueError) as exc:
+            # Still asked: the next call asks again (an unusable reply answered nothing).
             raise SubscriberError(f"rank {rank}: unusable snapshot reply: {exc}") from None
+        stream.need_snapshot = False
         if (self.epoch is not None and epoch != self.epoch) or (
             stream.last is not None and seq < stream.last
         ):
@@ -444,6 +445,7 @@ class StreamTracker:
     def _history_gone(self, stream: RankStream, missing_from: int, seq: int) -> None:
         if self.control:
             stream.need_snapshot = True
+            stream.synced = False  # until the snapshot comes (it may not: a timeout)
         else:
             self._unrecoverable(stream, missing_from, seq)
 
