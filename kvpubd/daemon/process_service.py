@@ -207,7 +207,7 @@ class ProcessService(Service):
 
     async def _start_worker(self, rank: int) -> None:
         spec = self._spec(rank)
-        process = RankProcess(spec, lambda status: self._worker_exited(rank, status))
+        process = RankProcess(spec, lambda status: self._exited(process, status))
         self._processes[rank] = process
         await process.start(START_TIMEOUT_S)
         assert self._zmq is not None
@@ -220,7 +220,7 @@ class ProcessService(Service):
             (endpoints,) = decode_ok(reply, PingReply).endpoints
         except (asyncio.TimeoutError, CacheError, ValueError) as exc:
             link.close("no answer")
-            process.kill()
+            process.abandon()  # its death is this failure's, not one more (a double restart)
             raise WorkerFailed(f"rank {rank}: the worker did not answer: {exc!r}") from None
         self.front.worker_started(rank, endpoints)
         pause = self.front.apply_pause(rank)
@@ -271,6 +271,11 @@ class ProcessService(Service):
         return self._links.get(rank)
 
     # -- a worker that dies or hangs ---------------------------------------------------------
+
+    def _exited(self, process: RankProcess, status: int) -> None:
+        """A worker's exit, unless another worker took its rank since (it was given up)."""
+        if self._processes.get(process.rank) is process:
+            self._worker_exited(process.rank, status)
 
     def _worker_exited(self, rank: int, status: int) -> None:
         if self._exit.is_set():

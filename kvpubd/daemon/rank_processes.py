@@ -128,6 +128,11 @@ class RankProcess:
         self._pings += 1
         self.say(f"ping {self._pings}")
 
+    def abandon(self) -> None:
+        """Kill a worker given up on: its exit is not reported (the caller handles it)."""
+        self._stopping = True
+        self.kill()
+
     def kill(self) -> None:
         if self.running:
             assert self._proc is not None
