@@ -454,7 +454,7 @@ async def test_a_message_over_the_payload_limit_loses_that_batch_and_no_more(
 
 
 async def test_a_large_batch_is_decoded_a_slice_per_loop_turn(engine: Engine) -> None:
-    """A batch of several megabytes took one step of the loop to decode (15 ms a megabyte),
+    """A batch of several megabytes took one step of the loop to decode (2 to 7 ms a megabyte),
     and a reset waited behind it: it goes a slice of DECODE_SLICE_BYTES per loop turn, and
     comes out whole."""
     collector = Collector(follower(engine))

@@ -378,7 +378,7 @@ class EngineFollower:
 
     async def _decoded(self, payload: bytes) -> UpstreamBatch:
         """The payload decoded, a slice per loop turn when it is large (a megabyte in one
-        piece held the loop about 15 ms, and a reset with it)."""
+        piece held the loop 2 to 7 ms, and a reset with it)."""
         counters = self.counters
         if len(payload) <= DECODE_SLICE_BYTES:
             decoded = self.decoder.decode(payload)
