@@ -303,15 +303,20 @@ class _Base(Generic[ContextT, ControlT]):
         """The rank's cache as published (None when built with ``mirror=False``)."""
         return self.tracker.streams[rank].mirror
 
-    def _check_restarts(self, before: int) -> None:
+    def _check_restarts(self, before: int | None) -> int:
         """SubscriberError once one call has started over MAX_RESTARTS_PER_CALL times: answers
         that contradict each other for good (a ping and a snapshot of two daemon runs, from a
-        buggy daemon or a proxy in front of two) restarted it for ever, never returning."""
-        if self.tracker.counters().restarts - before > MAX_RESTARTS_PER_CALL:
+        buggy daemon or a proxy in front of two) restarted it for ever, never returning.
+        Returns the restarts counted before the call's first request (``before``, once set)."""
+        restarts = self.tracker.counters().restarts
+        if before is None:
+            return restarts
+        if restarts - before > MAX_RESTARTS_PER_CALL:
             raise SubscriberError(
                 f"started over {MAX_RESTARTS_PER_CALL} times in one call: the daemon's answers "
                 "contradict each other (are two daemon runs behind one endpoint?)"
             )
+        return before
 
     def synced(self, rank: int = 0) -> bool:
         """False while the rank's mirror misses lost history (until the next reset marker)."""
@@ -538,9 +543,9 @@ class Subscriber(_Base[SyncContext, ControlClient]):
 
     def _service(self) -> None:
         """Carry out what the tracker asks until it asks for nothing more."""
-        restarts = self.tracker.counters().restarts
+        restarts: int | None = None  # counted from the first request on (most calls have none)
         while (request := self.tracker.next_request()) is not None:
-            self._check_restarts(restarts)
+            restarts = self._check_restarts(restarts)
             try:
                 self._ready.extend(self._perform(request))
             except TimeoutError:
@@ -641,9 +646,9 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
                 yield received
 
     async def _service(self) -> None:
-        restarts = self.tracker.counters().restarts
+        restarts: int | None = None  # counted from the first request on (most calls have none)
         while (request := self.tracker.next_request()) is not None:
-            self._check_restarts(restarts)
+            restarts = self._check_restarts(restarts)
             try:
                 self._ready.extend(await self._perform(request))
             except TimeoutError:
