@@ -243,6 +243,49 @@ def test_a_killed_worker_is_started_again_and_its_seqs_go_on(started: Daemon) ->
         context.destroy(linger=0)
 
 
+def test_a_batch_across_ranks_keeps_what_a_living_rank_stored_when_another_dies(
+    started: Daemon,
+) -> None:
+    """A batch storing on rank 0 and rank 1; rank 1's worker dies before it answers. The
+    whole batch was answered ``unavailable`` and the service forgot rank 0's store too, which
+    its worker had carried out: pinned, with no request to release it (``unknown_request``),
+    until a reset. Now rank 1's entry alone is ``unavailable``, and rank 0's is answered."""
+    daemon = started
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with daemon.client() as client:
+            stream = RankStream(daemon, 0, context)
+            stream.join(client)
+            old = workers(daemon)
+            os.kill(old[1], signal.SIGSTOP)  # it takes the batch's part and never answers
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(daemon.control_endpoint)
+            entries = [
+                {"op": "store", "request_id": "A", "token_ids": prompt(30, 2), "rank": 0},
+                {"op": "store", "request_id": "B", "token_ids": prompt(31, 2), "rank": 1},
+            ]
+            dealer.send_multipart(
+                [b"", msgpack.packb({"op": "batch", "id": 1, "requests": entries})]
+            )
+            stream.until(lambda b: "BlockStored" in kinds(b), "rank 0's store")
+            os.kill(old[1], signal.SIGKILL)
+            assert dealer.poll(20_000), "the batch was never answered"
+            reply = msgpack.unpackb(dealer.recv_multipart()[-1])
+            assert reply["ok"], reply
+            stored, lost = reply["replies"]
+            assert stored["ok"] and len(stored["block_ids"]) == 2
+            assert lost["error"]["code"] == "unavailable"
+            wait_for(lambda: workers(daemon).get(1) not in (None, old[1]), 30, "a new worker")
+            assert client.release("A").released == 2
+            with pytest.raises(ControlError) as gone:
+                client.release("B")
+            assert gone.value.code == "unknown_request"
+            assert client.stats().ranks[0].blocks_pinned == 0
+    finally:
+        context.destroy(linger=0)
+
+
 def test_a_hung_worker_is_killed_and_started_again() -> None:
     daemon = service({"service": {"rank_hang_timeout_s": 1.0}}).start(timeout=60)
     try:

@@ -403,18 +403,23 @@ def settled_reply(request: Request, pending: Pending[Any]) -> Pending[Any]:
         if exc is None:
             assert encoded is not None
             reply.resolve(encoded)
-        elif isinstance(exc, asyncio.CancelledError):
-            reply.resolve(error_reply(request.id, "internal", "stopped before it finished"))
-        elif isinstance(exc, LinkLost):
-            reply.resolve(error_reply(request.id, "unavailable", str(exc)))
-        elif isinstance(exc, CacheError):
-            reply.resolve(error_reply(request.id, exc.code, exc.message))
         else:
-            log.error("control: %s failed: %r", op_of(request), exc)
-            reply.resolve(error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}"))
+            reply.resolve(failure_reply(request, exc))
 
     pending.then(settle)
     return reply
+
+
+def failure_reply(request: Request | Store | Release, exc: BaseException) -> bytes:
+    """The error reply for work that failed with ``exc`` (see settled_reply)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return error_reply(request.id, "internal", "stopped before it finished")
+    if isinstance(exc, LinkLost):
+        return error_reply(request.id, "unavailable", str(exc))
+    if isinstance(exc, CacheError):
+        return error_reply(request.id, exc.code, exc.message)
+    log.error("control: %s failed: %r", op_of(request), exc)
+    return error_reply(request.id, "internal", f"{type(exc).__name__}: {exc}")
 
 
 def _joined(head: bytes, replies: list[Reply]) -> Pending[bytes]:

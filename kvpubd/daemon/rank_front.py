@@ -15,6 +15,7 @@ the watchdog kills it), which then resets no rank."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from kvpubd import __version__
 from kvpubd.daemon.cache import CacheError
 from kvpubd.daemon.control_server import Reply, Route
 from kvpubd.daemon.hooks import MetricsHooks
-from kvpubd.daemon.operations import settled_reply
+from kvpubd.daemon.operations import failure_reply, settled_reply
 from kvpubd.daemon.owners import Owner, RequestId, RequestOwners
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.rank_link import Conn, LinkLost, RankLink
@@ -384,27 +385,44 @@ class RankFront:
             assert link is not None  # checked by _batch_route
             body = frame if whole else _encoder.encode(Batch(requests=[e for _, e, _ in entries]))
             sent.append((entries, self._send(link, body)))
-        gathered = _gather([pending for _, pending in sent])
+        # Each worker's part settles on its own: a worker that dies fails its entries only
+        # (``unavailable``), and the stores another worker carried out stay open, answered
+        # (the whole batch failed once, and those stayed pinned with no request to release).
+        answered: Pending[bytes] = Pending()
+        left = [len(sent)]
 
-        def merge(frames: list[zmq.Frame]) -> bytes:
-            for (entries, _), reply in zip(sent, frames, strict=True):
-                worker = decode_ok_raw(reply)
-                for (index, entry, opened), part in zip(entries, worker, strict=True):
-                    replies[index] = bytes(part)
-                    if opened is not None:
-                        self._settle_store(entry.request_id, opened, bytes(part))
+        def part_settled(
+            entries: list[tuple[int, Store | Release, _OpenRequest | None]],
+            frame: zmq.Frame | None,
+            error: BaseException | None,
+        ) -> None:
+            if error is None:
+                assert frame is not None
+                try:
+                    parts = [bytes(part) for part in decode_ok_raw(frame)]
+                except CacheError as exc:  # the worker refused its part whole
+                    error = exc
+            if error is not None:
+                parts = [failure_reply(entry, error) for _, entry, _ in entries]
+            for (index, entry, opened), part in zip(entries, parts, strict=True):
+                replies[index] = part
+                if opened is not None:
+                    self._settle_store(entry.request_id, opened, part)
+            left[0] -= 1
+            if not left[0]:
+                finish()
+
+        def finish() -> None:
             head = ok_reply_head(request.id, BatchReply([]))
-            return b"".join([head, _array_header(len(replies)), *(r or b"" for r in replies)])
+            answered.resolve(
+                b"".join([head, _array_header(len(replies)), *(r or b"" for r in replies)])
+            )
 
-        def forget(_: object, error: BaseException | None) -> None:
-            if error is not None:  # a worker died: its stores opened nothing
-                for entries, _ in sent:
-                    for _, entry, opened in entries:
-                        if opened is not None:
-                            self._settle_store(entry.request_id, opened, None)
-
-        gathered.then(forget)
-        return self._answer(request, gathered.map(merge))
+        for entries, pending in sent:
+            pending.then(functools.partial(part_settled, entries))
+        if not sent:  # every entry refused here
+            finish()
+        return self._answer(request, answered)
 
     def _batch_route(
         self, batch: Batch, entry: Store | Release, owner: Owner | None
