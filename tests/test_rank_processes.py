@@ -286,6 +286,47 @@ def test_a_batch_across_ranks_keeps_what_a_living_rank_stored_when_another_dies(
         context.destroy(linger=0)
 
 
+def test_a_release_from_another_connection_waits_for_its_store(started: Daemon) -> None:
+    """One client, two connections (a thread that stores, one that releases). A's store waits
+    in the service behind A's stats to a slow worker; B's release of it, sent at once, reached
+    the worker first (unknown_request) and the store then pinned its blocks for good: the
+    service had forgotten the request. The release now goes once the store is answered."""
+    daemon = started
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        a, b = (context.socket(zmq.DEALER) for _ in range(2))
+        for sock in (a, b):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(daemon.control_endpoint)
+
+        def call(sock: zmq.Socket[bytes], number: int, **request: Any) -> None:
+            sock.send_multipart([b"", msgpack.packb({"id": number, **request})])
+
+        def reply(sock: zmq.Socket[bytes]) -> dict[str, Any]:
+            assert sock.poll(20_000), "no reply"
+            answer: dict[str, Any] = msgpack.unpackb(sock.recv_multipart()[-1])
+            return answer
+
+        old = workers(daemon)
+        os.kill(old[1], signal.SIGSTOP)  # slow: it answers once continued
+        try:
+            call(a, 1, op="stats")
+            call(a, 2, op="store", request_id="X", token_ids=prompt(40, 2), rank=1)
+            call(a, 3, op="ping")  # answered by the service: it has read the store
+            assert reply(a)["id"] == 3
+            call(b, 4, op="release", request_id="X")
+        finally:
+            os.kill(old[1], signal.SIGCONT)
+        answers = {r["id"]: r for r in (reply(a), reply(a), reply(b))}
+        assert answers[2]["ok"], answers[2]
+        assert answers[4]["ok"] and answers[4]["released"] == 2, answers[4]
+        with daemon.client() as client:
+            rank = client.stats().ranks[1]
+            assert (rank.requests_open, rank.blocks_pinned) == (0, 0)
+    finally:
+        context.destroy(linger=0)
+
+
 def test_a_hung_worker_is_killed_and_started_again() -> None:
     daemon = service({"service": {"rank_hang_timeout_s": 1.0}}).start(timeout=60)
     try:

@@ -15,6 +15,7 @@ the watchdog kills it), which then resets no rank."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -165,6 +166,9 @@ class _OpenRequest:
     confirmed: bool = False
     # Its client went away while the store was on its way: released once it is answered.
     orphaned: bool = False
+    # What waits for the store's answer (a release sent meanwhile), run once it came or the
+    # request was forgotten.
+    waiting: list[Callable[[], None]] = field(default_factory=list)
 
 
 class RankFront:
@@ -261,7 +265,14 @@ class RankFront:
         entry = self._open.pop(request_id, None)
         if entry is not None:
             self._open_count[entry.rank] -= 1
+            self._run_waiting(entry)
         return entry
+
+    @staticmethod
+    def _run_waiting(entry: _OpenRequest) -> None:
+        waiting, entry.waiting = entry.waiting, []
+        for then in waiting:
+            then()
 
     # -- ops answered here -------------------------------------------------------------------
 
@@ -311,8 +322,27 @@ class RankFront:
         return self._answer(request, reply)
 
     def _release(self, request: Release, owner: Owner | None, frame: bytes) -> Reply:
-        rank = self._close_request(request.request_id)
-        return self._answer(request, self._forward(self._link(rank), frame))
+        entry = self._open.get(request.request_id)
+        if entry is None or entry.confirmed:
+            rank = self._close_request(request.request_id)
+            return self._answer(request, self._forward(self._link(rank), frame))
+        # Its store is still on its way, maybe held in its client's lane behind that client's
+        # other requests: sent at once from another connection, the release reached the worker
+        # first (unknown_request) and the store then pinned its blocks for good. It goes once
+        # the store is answered.
+        released: Pending[bytes | memoryview] = Pending()
+
+        def release() -> None:
+            try:
+                rank = self._close_request(request.request_id)
+                forwarded = self._forward(self._link(rank), frame)
+            except CacheError as exc:
+                released.fail(exc)
+                return
+            forwarded.then(lambda value, error: _settle_with(released, value, error))
+
+        entry.waiting.append(release)
+        return self._answer(request, released)
 
     def _computed(self, request: Computed, owner: Owner | None, frame: bytes) -> Reply:
         entry = self._open.get(request.request_id)
@@ -448,6 +478,7 @@ class RankFront:
             opened.confirmed = True
             if opened.orphaned:
                 self._release_orphan(request_id)
+            self._run_waiting(opened)
         else:
             self._forget(request_id)
             self.owners.drop(request_id)
@@ -628,6 +659,17 @@ class RankFront:
     def _answer(self, request: Request, reply: Pending[Any]) -> Pending[bytes | memoryview]:
         """The reply to come, or the error reply for the way ``reply`` failed."""
         return settled_reply(request, reply)
+
+
+def _settle_with(
+    pending: Pending[bytes | memoryview],
+    value: bytes | memoryview | None,
+    error: BaseException | None,
+) -> None:
+    if error is not None or value is None:
+        pending.fail(error or asyncio.CancelledError())
+    else:
+        pending.resolve(value)
 
 
 def _settles(reply: Pending[zmq.Frame]) -> Callable[[zmq.Frame | None, BaseException | None], None]:
