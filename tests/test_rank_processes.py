@@ -344,6 +344,34 @@ def test_a_hung_worker_is_killed_and_started_again() -> None:
         daemon.cleanup()
 
 
+def test_a_reset_caught_by_a_worker_hang_says_which_ranks_it_reset() -> None:
+    """A reset of every rank sent as a worker hangs, before it has missed the pings that make
+    such a reset refused at once: the other ranks reset, and the reply, once the watchdog has
+    killed the hung worker, was ``unavailable`` naming only the lost worker. It names the
+    ranks reset, with their markers' seqs, as their streams have them."""
+    daemon = service({"service": {"rank_hang_timeout_s": 1.0}}).start(timeout=60)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with daemon.client() as client:
+            stream = RankStream(daemon, 0, context)
+            stream.join(client)
+            old = workers(daemon)
+            os.kill(old[1], signal.SIGSTOP)
+            with pytest.raises(ControlError) as refused:
+                client.reset(force=True)
+            assert refused.value.code == "unavailable"
+            message = refused.value.message
+            assert "not reset; reset: rank 0 (marker seq " in message, message
+            seq = int(message.rpartition("marker seq ")[2].rstrip(")"))
+            batches = stream.until(lambda b: any(s == seq for s, _ in b), "the marker")
+            assert [kinds([b]) for b in batches if b[0] == seq] == [["AllBlocksCleared"]]
+    finally:
+        context.destroy(linger=0)
+        if daemon.alive():
+            daemon.stop()
+        daemon.cleanup()
+
+
 def test_past_the_restart_policy_the_service_stops_with_an_error() -> None:
     daemon = service({"service": {"rank_restarts": 0}}).start(timeout=60)
     try:

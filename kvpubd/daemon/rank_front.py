@@ -507,7 +507,9 @@ class RankFront:
         # Checked here against every request this side forwarded (a superset of what the
         # workers hold): each worker resets at once, none refuses.
         started = time.perf_counter()
-        replies = _gather(
+        # Every worker's outcome, not the first failure: a worker that dies (or hangs until the
+        # watchdog kills it) before it answers leaves the others reset, and the reply says so.
+        replies = _outcomes(
             [
                 self._send(link, _encoder.encode(Reset(rank=rank, force=True, tier=request.tier)))
                 for rank, link in zip(targets, links, strict=True)
@@ -517,10 +519,21 @@ class RankFront:
             if entry.rank in targets and entry.confirmed:
                 self._forget(request_id)
 
-        def merge(frames: list[zmq.Frame]) -> bytes:
+        def merge(outcomes: list[tuple[zmq.Frame | None, BaseException | None]]) -> bytes:
             markers: list[Marker] = []
-            for reply in frames:
-                markers += decode_ok(reply, ResetReply).markers
+            failed: list[BaseException] = []
+            for reply, error in outcomes:
+                if error is not None:
+                    failed.append(error)
+                else:
+                    assert reply is not None
+                    markers += decode_ok(reply, ResetReply).markers
+            if failed:
+                done = ", ".join(f"rank {m.rank} (marker seq {m.seq})" for m in markers)
+                why = f"{failed[0]}: not reset; reset: {done or 'none'}"
+                return failure_reply(
+                    request, LinkLost(why) if isinstance(failed[0], LinkLost) else failed[0]
+                )
             elapsed = time.perf_counter() - started
             self._metrics.reset_done(elapsed)
             log.info(
@@ -704,6 +717,30 @@ def _reply_bytes(frame: zmq.Frame) -> bytes | memoryview:
 
 def _code_of(reply: bytes | memoryview | None) -> str | None:
     return "internal" if reply is None else reply_error(reply)
+
+
+def _outcomes(
+    replies: list[Pending[zmq.Frame]],
+) -> Pending[list[tuple[zmq.Frame | None, BaseException | None]]]:
+    """Every request's outcome, in order (its reply or its failure), once all settled."""
+    settled: Pending[list[tuple[zmq.Frame | None, BaseException | None]]] = Pending()
+    outcomes: list[tuple[zmq.Frame | None, BaseException | None]] = [(None, None)] * len(replies)
+    left = [len(replies)]
+
+    def arrived(index: int) -> Callable[[zmq.Frame | None, BaseException | None], None]:
+        def settle(value: zmq.Frame | None, error: BaseException | None) -> None:
+            outcomes[index] = (value, error)
+            left[0] -= 1
+            if not left[0]:
+                settled.resolve(outcomes)
+
+        return settle
+
+    if not replies:
+        settled.resolve([])
+    for index, reply in enumerate(replies):
+        reply.then(arrived(index))
+    return settled
 
 
 def _gather(replies: list[Pending[zmq.Frame]]) -> Pending[list[zmq.Frame]]:
