@@ -178,3 +178,41 @@ def test_history_proven_lost_leaves_the_stream_unsynced_until_its_snapshot_comes
         if tracker.next_request() != Snapshot(0):  # a timeout: the epoch is checked first
             tracker.on_ping({"epoch": 7, "ranks": 1})
         assert tracker.next_request() == Snapshot(0)  # still asked
+
+
+def test_a_replay_answer_past_its_byte_budget_is_given_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay socket that streams batches with no end marker: the answer was kept whole for
+    up to six replay timeouts (a gigabyte in seconds). Past MAX_REPLAY_BYTES it is given up."""
+    from kvpubd.client import subscriber as subscriber_module
+
+    monkeypatch.setattr(subscriber_module, "MAX_REPLAY_BYTES", 1 << 20)
+    endpoint = f"ipc://{tmp_path}/replay"
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.bind(endpoint)
+    payload = msgspec.msgpack.encode(EventBatch(1.0, [store(i) for i in range(2_000)], 0))
+    stop = threading.Event()
+
+    def stream() -> None:  # 4 MiB of batches, then silence: no end marker
+        if not router.poll(int(WAIT_S * 1000)):
+            return
+        identity = router.recv_multipart()[0]
+        sent = seq = 0
+        while sent < 4 << 20 and not stop.is_set():
+            router.send_multipart([identity, b"", b"", pack_seq(seq), payload])
+            sent += len(payload)
+            seq += 1
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(subscriber_module.ReplayTooLarge):
+            subscriber_module.replay(endpoint, 0, timeout=WAIT_S, context=context)
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+        router.close(linger=0)
+        context.term()

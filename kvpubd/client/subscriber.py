@@ -87,17 +87,30 @@ def parse_replay_message(frames: list[bytes]) -> tuple[int, bytes] | None:
     return unpack_seq(seq_frame), payload
 
 
+class ReplayTooLarge(SubscriberTimeout):
+    """A replay answer ran past its byte budget (handled as one that did not finish)."""
+
+
 class ReplayReader:
     """Collects one replay's answer, message by message: ``add(frames)`` until it returns
     True (the end marker came); ``batches`` are then (seq, payload) in the order received.
     Batches published under a topic that ``topic`` does not prefix are left out, as a SUB
     socket would leave them out (legacy framing carries no topic: all are kept)."""
 
-    def __init__(self, topic: bytes = b"") -> None:
+    def __init__(self, topic: bytes = b"", max_bytes: int | None = None) -> None:
         self.topic = topic
         self.batches: list[tuple[int, bytes]] = []
+        self.max_bytes = MAX_REPLAY_BYTES if max_bytes is None else max_bytes
+        self.received_bytes = 0
+
+    @property
+    def too_large(self) -> bool:
+        """The answer passed ``max_bytes``: given up (a publisher streaming batches with no end
+        grew the subscriber by a gigabyte in seconds)."""
+        return self.received_bytes > self.max_bytes
 
     def add(self, frames: list[bytes]) -> bool:
+        self.received_bytes += sum(map(len, frames))
         try:
             item = parse_replay_message(frames)
         except ValueError:
@@ -114,6 +127,8 @@ class ReplayReader:
 # that long: a publisher that sends a batch just before each timeout would hold a catch_up
 # for ever. The daemon's whole ring streams in a fraction of one timeout.
 REPLAY_TOTAL_TIMEOUTS = 6
+# Bytes of one replay answer at most: twice a daemon's whole ring (events.buffer_bytes, 512 MiB).
+MAX_REPLAY_BYTES = 1 << 30
 
 
 def _replay_request(start_seq: int) -> list[bytes]:
@@ -125,7 +140,8 @@ def _read_replay(
 ) -> list[tuple[int, bytes]] | None:
     """Ask ``sock`` (a connected DEALER) for every batch from ``start_seq``; None when the
     answer did not finish within ``timeout`` seconds of silence, or within
-    ``REPLAY_TOTAL_TIMEOUTS`` times that in all (a replay that trickles ends too)."""
+    ``REPLAY_TOTAL_TIMEOUTS`` times that in all (a replay that trickles ends too);
+    ReplayTooLarge past the reader's ``max_bytes``."""
     sock.send_multipart(_replay_request(start_seq))
     reader = ReplayReader(topic)
     deadline = time.monotonic() + REPLAY_TOTAL_TIMEOUTS * timeout
@@ -135,6 +151,8 @@ def _read_replay(
             return None
         if reader.add(sock.recv_multipart()):
             return reader.batches
+        if reader.too_large:
+            raise ReplayTooLarge(f"a replay answer over {reader.max_bytes} bytes: given up")
 
 
 def replay(
@@ -700,3 +718,5 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
                 return None
             if reader.add(await sock.recv_multipart()):
                 return reader.batches
+            if reader.too_large:
+                raise ReplayTooLarge(f"a replay answer over {reader.max_bytes} bytes: given up")
