@@ -381,3 +381,30 @@ def test_refuses_bad_arguments() -> None:
         SnapshotTracker([0, 0])
     with pytest.raises(ValueError):
         SnapshotTracker([0], silence_timeout=0)
+
+
+def test_what_waits_for_the_snapshot_is_bounded_by_what_it_holds_not_only_its_payloads() -> None:
+    """Heartbeats (30-byte payloads) buffered while the snapshot is awaited: the bound counted
+    their payloads only, and the buffer held 4.7 times its bytes before starting over. Each
+    held message now counts what it costs beside its payload."""
+    import tracemalloc
+
+    bound = 4 << 20
+    tracker = SnapshotTracker([0], buffer_bytes=bound)
+    stream = tracker.streams[0]
+    heartbeat = msgspec.msgpack.encode((0.0, [], 0, b"P" * 16))
+    tracemalloc.start()
+    try:
+        seq = 0
+        while True:
+            before = stream.buffered_bytes
+            # Each message its own bytes, as a socket gives them.
+            tracker.on_live(0, [b"", pack_seq(seq), bytes(bytearray(heartbeat))])
+            seq += 1
+            if stream.buffered_bytes < before:
+                break  # over the bound: started over
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert seq > 1_000
+    assert peak < 1.5 * bound, f"{peak / bound:.1f} times the bound"
