@@ -152,3 +152,28 @@ def test_a_client_that_reads_late_gets_every_reply_and_nothing_done_unanswered(
         (rank,) = reply_of(other)["ranks"]
         assert rank["requests_open"] == stored
         assert not late.poll(100)  # nothing more: one reply per request
+
+
+def test_a_client_that_connects_again_under_its_identity_is_answered(
+    start_daemon: DaemonFactory,
+) -> None:
+    """A client that sets its identity (an engine restarted while its old connection still
+    lingers) and connects again: ZeroMQ kept the first connection under that identity and
+    ignored the second, whose requests were never answered, not even once the first closed."""
+    daemon = start_daemon()
+    context = zmq.Context()
+    first, second = (context.socket(zmq.DEALER) for _ in range(2))
+    try:
+        for sock in (first, second):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, b"engine-0")
+        first.connect(daemon.control_endpoint)
+        first.send_multipart(request("ping", 1))
+        assert reply_of(first)["id"] == 1
+        second.connect(daemon.control_endpoint)
+        second.send_multipart(request("ping", 2))
+        assert reply_of(second)["id"] == 2
+    finally:
+        first.close()
+        second.close()
+        context.term()

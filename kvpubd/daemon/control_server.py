@@ -126,6 +126,10 @@ class ControlServer:
         sock.setsockopt(zmq.LINGER, 0)
         # A reply to a client whose queue is full raises Again (else ZeroMQ drops it): kept.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A client that connects again under the identity it set (an engine restarted while its
+        # old connection lingers) takes it over; ZeroMQ otherwise ignored the new connection,
+        # whose requests were never answered.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._replies_bounded_by_client:
             # At the default (1000) a burst of replies its service read late was dropped, and
             # those requests were never answered.
