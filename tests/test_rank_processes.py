@@ -286,7 +286,10 @@ def test_a_batch_across_ranks_keeps_what_a_living_rank_stored_when_another_dies(
         context.destroy(linger=0)
 
 
-def test_a_release_from_another_connection_waits_for_its_store(started: Daemon) -> None:
+@pytest.mark.parametrize("in_batch", [False, True], ids=["release", "batch"])
+def test_a_release_from_another_connection_waits_for_its_store(
+    started: Daemon, in_batch: bool
+) -> None:
     """One client, two connections (a thread that stores, one that releases). A's store waits
     in the service behind A's stats to a slow worker; B's release of it, sent at once, reached
     the worker first (unknown_request) and the store then pinned its blocks for good: the
@@ -314,12 +317,16 @@ def test_a_release_from_another_connection_waits_for_its_store(started: Daemon) 
             call(a, 2, op="store", request_id="X", token_ids=prompt(40, 2), rank=1)
             call(a, 3, op="ping")  # answered by the service: it has read the store
             assert reply(a)["id"] == 3
-            call(b, 4, op="release", request_id="X")
+            if in_batch:
+                call(b, 4, op="batch", requests=[{"op": "release", "request_id": "X"}])
+            else:
+                call(b, 4, op="release", request_id="X")
         finally:
             os.kill(old[1], signal.SIGCONT)
         answers = {r["id"]: r for r in (reply(a), reply(a), reply(b))}
         assert answers[2]["ok"], answers[2]
-        assert answers[4]["ok"] and answers[4]["released"] == 2, answers[4]
+        released = answers[4]["replies"][0] if in_batch else answers[4]
+        assert released["ok"] and released["released"] == 2, answers[4]
         with daemon.client() as client:
             rank = client.stats().ranks[1]
             assert (rank.requests_open, rank.blocks_pinned) == (0, 0)

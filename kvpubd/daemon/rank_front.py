@@ -166,8 +166,8 @@ class _OpenRequest:
     confirmed: bool = False
     # Its client went away while the store was on its way: released once it is answered.
     orphaned: bool = False
-    # What waits for the store's answer (a release sent meanwhile), run once it came or the
-    # request was forgotten.
+    # What waits for the store's answer (a release sent meanwhile), run once it came (or it
+    # never will: its worker died).
     waiting: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -265,7 +265,6 @@ class RankFront:
         entry = self._open.pop(request_id, None)
         if entry is not None:
             self._open_count[entry.rank] -= 1
-            self._run_waiting(entry)
         return entry
 
     @staticmethod
@@ -398,9 +397,19 @@ class RankFront:
         checked here as it would be alone; the replies put back in the batch's order."""
         replies: list[bytes | None] = []  # an entry's reply made here, None for a worker's
         by_rank: dict[int, list[tuple[int, Store | Release, _OpenRequest | None]]] = {}
+        # Per rank, the stores still on their way (from earlier messages) that a release of
+        # this batch closes: its part goes once they are answered (see _release).
+        awaited: dict[int, list[_OpenRequest]] = {}
+        opened_here: set[int] = set()
         for index, entry in enumerate(request.requests):
+            if isinstance(entry, Release):
+                store = self._open.get(entry.request_id)
+                if store is not None and not store.confirmed and id(store) not in opened_here:
+                    awaited.setdefault(store.rank, []).append(store)
             try:
                 rank, opened = self._batch_route(request, entry, owner)
+                if opened is not None:
+                    opened_here.add(id(opened))
             except CacheError as exc:
                 replies.append(error_reply(entry.id, exc.code, exc.message))
                 continue
@@ -414,7 +423,7 @@ class RankFront:
             link = self._links(rank)
             assert link is not None  # checked by _batch_route
             body = frame if whole else _encoder.encode(Batch(requests=[e for _, e, _ in entries]))
-            sent.append((entries, self._send(link, body)))
+            sent.append((entries, self._send_after(awaited.get(rank, []), link, body)))
         # Each worker's part settles on its own: a worker that dies fails its entries only
         # (``unavailable``), and the stores another worker carried out stay open, answered
         # (the whole batch failed once, and those stayed pinned with no request to release).
@@ -471,17 +480,18 @@ class RankFront:
     def _settle_store(
         self, request_id: RequestId, opened: _OpenRequest, reply: bytes | None
     ) -> None:
-        """A store's reply came (None: it never will): confirmed open, or forgotten."""
-        if self._open.get(request_id) is not opened:
-            return  # released, or closed by the worker's death, meanwhile
-        if reply is not None and reply_error(reply) is None:
-            opened.confirmed = True
-            if opened.orphaned:
-                self._release_orphan(request_id)
-            self._run_waiting(opened)
-        else:
-            self._forget(request_id)
-            self.owners.drop(request_id)
+        """A store's reply came (None: it never will): confirmed open, or forgotten; then what
+        waited for it goes (called once per store, also when the request was closed
+        meanwhile)."""
+        if self._open.get(request_id) is opened:
+            if reply is not None and reply_error(reply) is None:
+                opened.confirmed = True
+                if opened.orphaned:
+                    self._release_orphan(request_id)
+            else:
+                self._forget(request_id)
+                self.owners.drop(request_id)
+        self._run_waiting(opened)
 
     # -- reset -------------------------------------------------------------------------------
 
@@ -658,6 +668,24 @@ class RankFront:
         counts = self._held[entry.link.rank]
         counts[0] -= 1
         counts[1] -= len(entry.body)
+
+    def _send_after(
+        self, stores: list[_OpenRequest], link: RankLink, frame: bytes
+    ) -> Pending[zmq.Frame]:
+        """``frame`` sent to ``link`` once every one of ``stores`` is answered."""
+        if not stores:
+            return self._send(link, frame)
+        reply: Pending[zmq.Frame] = Pending()
+        left = [len(stores)]
+
+        def one_answered() -> None:
+            left[0] -= 1
+            if not left[0]:
+                self._send(link, frame).then(_settles(reply))
+
+        for store in stores:
+            store.waiting.append(one_answered)
+        return reply
 
     def _forward(self, link: RankLink, frame: bytes) -> Pending[bytes | memoryview]:
         return self._send(link, frame).map(_reply_bytes)
