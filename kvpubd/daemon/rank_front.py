@@ -169,6 +169,9 @@ class _OpenRequest:
     # What waits for the store's answer (a release sent meanwhile), run once it came (or it
     # never will: its worker died).
     waiting: list[Callable[[], None]] = field(default_factory=list)
+    # The connection the store came on (its lane's): a release on the same one follows it in
+    # order anyway, and need not wait.
+    route: Route | None = None
 
 
 class RankFront:
@@ -322,7 +325,7 @@ class RankFront:
 
     def _release(self, request: Release, owner: Owner | None, frame: bytes) -> Reply:
         entry = self._open.get(request.request_id)
-        if entry is None or entry.confirmed:
+        if entry is None or not self._must_wait(entry):
             rank = self._close_request(request.request_id)
             return self._answer(request, self._forward(self._link(rank), frame))
         # Its store is still on its way, maybe held in its client's lane behind that client's
@@ -355,7 +358,7 @@ class RankFront:
         if request_id in self._open:
             raise CacheError("duplicate_request", f"request {request_id!r} is already open")
         self._check_room(self._link(rank))
-        entry = self._open[request_id] = _OpenRequest(rank)
+        entry = self._open[request_id] = _OpenRequest(rank, route=self._route)
         self._open_count[rank] += 1
         self.owners.claim(owner, request_id)
         return entry
@@ -404,7 +407,7 @@ class RankFront:
         for index, entry in enumerate(request.requests):
             if isinstance(entry, Release):
                 store = self._open.get(entry.request_id)
-                if store is not None and not store.confirmed and id(store) not in opened_here:
+                if store is not None and self._must_wait(store) and id(store) not in opened_here:
                     awaited.setdefault(store.rank, []).append(store)
             try:
                 rank, opened = self._batch_route(request, entry, owner)
@@ -668,6 +671,12 @@ class RankFront:
         counts = self._held[entry.link.rank]
         counts[0] -= 1
         counts[1] -= len(entry.body)
+
+    def _must_wait(self, store: _OpenRequest) -> bool:
+        """Whether a release of ``store`` now must wait for its answer: it is on its way, from
+        another connection than the release's (on the same one, the lane keeps their order:
+        an engine's pipelined steps release the last step's stores at once)."""
+        return not store.confirmed and store.route != self._route
 
     def _send_after(
         self, stores: list[_OpenRequest], link: RankLink, frame: bytes
