@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import msgspec
@@ -67,10 +69,12 @@ def test_a_batch_nested_too_deep_is_counted_malformed_and_the_stream_goes_on(
         context.term()
 
 
-@pytest.fixture
-def deep_then_real_router(tmp_path: Path) -> Iterator[str]:
-    """A ROUTER that answers each request first with a frame nested too deep, then with the
-    real reply to a ping."""
+@contextmanager
+def answering_router(
+    tmp_path: Path, answer: Callable[[dict[str, Any]], list[bytes]]
+) -> Iterator[str]:
+    """A control socket (a ROUTER on its own thread) that answers each request with the frames
+    ``answer(request)`` gives, each sent as a reply of its own."""
     endpoint = f"ipc://{tmp_path}/ctl"
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
@@ -82,11 +86,8 @@ def deep_then_real_router(tmp_path: Path) -> Iterator[str]:
             if not router.poll(20):
                 continue
             identity, _, frame = router.recv_multipart()
-            request = msgpack.unpackb(frame)
-            router.send_multipart([identity, b"", DEEP])
-            reply = {"id": request["id"], "ok": True, "version": "0", "epoch": 1, "ranks": 1}
-            reply["endpoints"] = []
-            router.send_multipart([identity, b"", msgpack.packb(reply)])
+            for reply in answer(msgpack.unpackb(frame)):
+                router.send_multipart([identity, b"", reply])
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -99,54 +100,38 @@ def deep_then_real_router(tmp_path: Path) -> Iterator[str]:
         context.term()
 
 
-def test_a_reply_nested_too_deep_is_ignored_by_the_control_client(
-    deep_then_real_router: str,
-) -> None:
+def deep_then_ping_reply(request: dict[str, Any]) -> list[bytes]:
+    """A frame nested too deep, then the real reply to a ping."""
+    reply = {"id": request["id"], "ok": True, "version": "0", "epoch": 1, "ranks": 1}
+    return [DEEP, msgpack.packb({**reply, "endpoints": []})]
+
+
+def two_runs(request: dict[str, Any]) -> list[bytes]:
+    """Pings of one daemon run (epoch 1) and snapshots of another (epoch 2), every time: a
+    buggy daemon, or a proxy in front of two."""
+    if request["op"] == "ping":
+        return [msgpack.packb({"id": request["id"], "ok": True, "epoch": 1, "ranks": 1})]
+    reply = {"id": request["id"], "ok": True, "seq": 10, "epoch": 2, "events": []}
+    return [msgpack.packb(reply)]
+
+
+def test_a_reply_nested_too_deep_is_ignored_by_the_control_client(tmp_path: Path) -> None:
     """Any frame on the client's socket is looked at as a possible reply: one nested too
     deep raised RecursionError out of ``ping`` (and out of store and reset alike)."""
-    with ControlClient(deep_then_real_router, timeout=WAIT_S) as client:
+    with (
+        answering_router(tmp_path, deep_then_ping_reply) as endpoint,
+        ControlClient(endpoint, timeout=WAIT_S) as client,
+    ):
         assert client.ping().epoch == 1
 
 
-@pytest.fixture
-def two_runs_router(tmp_path: Path) -> Iterator[str]:
-    """A control socket whose ping and snapshot come from two daemon runs (epochs 1 and 2),
-    every time: a buggy daemon, or a proxy in front of two."""
-    endpoint = f"ipc://{tmp_path}/ctl"
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.bind(endpoint)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            if not router.poll(20):
-                continue
-            identity, _, frame = router.recv_multipart()
-            request = msgpack.unpackb(frame)
-            if request["op"] == "ping":
-                reply = {"id": request["id"], "ok": True, "epoch": 1, "ranks": 1}
-            else:
-                reply = {"id": request["id"], "ok": True, "seq": 10, "epoch": 2, "events": []}
-            router.send_multipart([identity, b"", msgpack.packb(reply)])
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield endpoint
-    finally:
-        stop.set()
-        thread.join(WAIT_S)
-        router.close(linger=0)
-        context.term()
-
-
-def test_answers_that_contradict_each_other_for_good_end_the_call(
-    two_runs_router: str, tmp_path: Path
-) -> None:
+def test_answers_that_contradict_each_other_for_good_end_the_call(tmp_path: Path) -> None:
     """Each snapshot of another run than the ping's restarted the subscriber, which pinged
     again: ``catch_up`` spun for ever. It gives up with SubscriberError after a bound."""
-    with Subscriber(f"ipc://{tmp_path}/pub", control=two_runs_router) as subscriber:
+    with (
+        answering_router(tmp_path, two_runs) as endpoint,
+        Subscriber(f"ipc://{tmp_path}/pub", control=endpoint) as subscriber,
+    ):
         with pytest.raises(SubscriberError, match="contradict"):
             subscriber.catch_up()
         assert subscriber.tracker.counters().restarts == MAX_RESTARTS_PER_CALL + 1

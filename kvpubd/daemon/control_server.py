@@ -313,7 +313,7 @@ class ControlServer:
                 if isinstance(reply, bytes):
                     later.resolve(reply)
                 else:
-                    reply.then(lambda value, error: _settle(later, value, error))
+                    reply.then(later.settle_as)
 
         loop.call_later(UNSENT_POLL_S, when_sent)
         return later
@@ -417,14 +417,3 @@ def _metadata(frame: zmq.Frame, name: str) -> str | None:
         return cast(str, frame.get(name))
     except zmq.ZMQError:
         return None
-
-
-def _settle(
-    later: Pending[bytes | memoryview],
-    value: bytes | memoryview | None,
-    error: BaseException | None,
-) -> None:
-    if error is not None or value is None:
-        later.fail(error or asyncio.CancelledError())
-    else:
-        later.resolve(value)

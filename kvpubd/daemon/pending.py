@@ -50,6 +50,14 @@ class Pending(Generic[T]):
     def fail(self, error: BaseException) -> None:
         self._finish(None, error)
 
+    def settle_as(self, value: T | None, error: BaseException | None) -> None:
+        """Take another result's outcome (a callback for its ``then``): its error, or its
+        value (none, and no error: cancelled)."""
+        if error is not None or value is None:
+            self.fail(error or asyncio.CancelledError())
+        else:
+            self.resolve(value)
+
     def then(self, callback: Callable[[T | None, BaseException | None], object]) -> None:
         """Call ``callback(value, error)`` when done (at once if it is already)."""
         if self._outcome is not None:

@@ -15,7 +15,6 @@ the watchdog kills it), which then resets no rank."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -341,7 +340,7 @@ class RankFront:
             except CacheError as exc:
                 released.fail(exc)
                 return
-            forwarded.then(lambda value, error: _settle_with(released, value, error))
+            forwarded.then(released.settle_as)
 
         entry.waiting.append(release)
         return self._answer(request, released)
@@ -665,7 +664,7 @@ class RankFront:
             going, lane.held = held[:run], held[run:]
         for entry in going:
             self._unhold(entry)
-            self._request(key, lane, entry.link, entry.body).then(_settles(entry.reply))
+            self._request(key, lane, entry.link, entry.body).then(entry.reply.settle_as)
 
     def _unhold(self, entry: _Held) -> None:
         counts = self._held[entry.link.rank]
@@ -690,7 +689,7 @@ class RankFront:
         def one_answered() -> None:
             left[0] -= 1
             if not left[0]:
-                self._send(link, frame).then(_settles(reply))
+                self._send(link, frame).then(reply.settle_as)
 
         for store in stores:
             store.waiting.append(one_answered)
@@ -709,30 +708,6 @@ class RankFront:
     def _answer(self, request: Request, reply: Pending[Any]) -> Pending[bytes | memoryview]:
         """The reply to come, or the error reply for the way ``reply`` failed."""
         return settled_reply(request, reply)
-
-
-def _settle_with(
-    pending: Pending[bytes | memoryview],
-    value: bytes | memoryview | None,
-    error: BaseException | None,
-) -> None:
-    if error is not None or value is None:
-        pending.fail(error or asyncio.CancelledError())
-    else:
-        pending.resolve(value)
-
-
-def _settles(reply: Pending[zmq.Frame]) -> Callable[[zmq.Frame | None, BaseException | None], None]:
-    """A callback that settles ``reply`` as the request it is called for was settled."""
-
-    def settle(value: zmq.Frame | None, error: BaseException | None) -> None:
-        if error is not None:
-            reply.fail(error)
-        else:
-            assert value is not None
-            reply.resolve(value)
-
-    return settle
 
 
 def decode_ok_raw(frame: zmq.Frame) -> list[msgspec.Raw]:
