@@ -117,3 +117,64 @@ async def test_a_burst_of_batches_that_publish_nothing_still_gives_the_loop_turn
             assert relay.dropped_by_reset == target  # all dropped (fenced), none relayed
     finally:
         engine.close()
+
+
+async def test_a_fence_does_not_time_out_while_the_engines_batches_wait_unread(
+    tmp_path: Path,
+) -> None:
+    """A reset while kvpubd has a backlog of the engine's batches (received, not yet worked
+    through) longer than ``clear_timeout_ms``, the engine's clear behind them. The fence timed
+    out at the first of them, and the stores the engine made before its clear went out after
+    the marker. It times out only once nothing received waits: the clear ends it."""
+    endpoint = f"ipc://{tmp_path}/engine"
+    engine = Engine(endpoint)
+    timeout_s = 0.05
+    upstream = {
+        "flavour": "vllm",
+        "endpoint": endpoint,
+        "replay_endpoint": "",
+        "clear_timeout_ms": int(timeout_s * 1000),
+    }
+    try:
+        async with in_process(tmp_path, 64, upstream=upstream) as daemon:
+            await until_relayed(daemon, engine, 7)
+            watcher = engine.context.socket(zmq.SUB)  # has what the daemon's SUB socket has
+            watcher.setsockopt(zmq.SUBSCRIBE, b"")
+            watcher.connect(endpoint)
+            probes = 0
+            while not watcher.poll(10):
+                probes += 1
+                engine.publish([BlockRemoved([10_000 + probes], "GPU", 0)])
+            while watcher.poll(0):
+                watcher.recv_multipart()
+            while daemon.sub.poll(0):
+                daemon.sub.recv_multipart()
+            before_clear = range(100, 2_100)
+            for start in range(before_clear.start, before_clear.stop, 100):
+                engine.publish([store(h) for h in range(start, start + 100)])
+            assert isinstance(daemon.send("reset"), bytes)  # its marker is out
+            engine.publish([AllBlocksCleared(), store(99_999)])
+            for _ in range(len(before_clear) // 100 + 1):
+                assert watcher.poll(int(BOUND_S * 1000))
+                watcher.recv_multipart()
+            watcher.close(linger=0)
+            time.sleep(2 * timeout_s)  # past the fence's timeout before any of them is read
+            published: list[Event] = []
+            deadline = time.monotonic() + BOUND_S
+            while not any(
+                isinstance(e, BlockStored) and e.block_hashes == [99_999] for e in published
+            ):
+                assert time.monotonic() < deadline, "the store after the engine's clear"
+                await daemon.turns_until(partial(relayed_or_past, daemon, deadline))
+                while daemon.sub.poll(0):
+                    published += decode_batch(daemon.sub.recv_multipart()[2]).events
+            leaked = [
+                h
+                for e in published
+                if isinstance(e, BlockStored)
+                for h in e.block_hashes
+                if h in before_clear
+            ]
+            assert not leaked, f"{len(leaked)} blocks from before the engine's clear"
+    finally:
+        engine.close()

@@ -261,7 +261,8 @@ class RankPipeline:
                         self._flush_if_full()
                         since_turn = 0
                         await asyncio.sleep(0)
-                    relay.apply(part)
+                    # Asked only while fencing: a poll of the socket per batch otherwise.
+                    relay.apply(part, caught_up=not relay.fencing or not follower.more_ready)
                     since_turn += len(part)
                 while self._drain.paused:  # read no more than goes out
                     await asyncio.sleep(0.01)

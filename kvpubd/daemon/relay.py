@@ -19,8 +19,9 @@ captures what routers need into the rank's sink:
   ``AllBlocksCleared`` (its last, where resets while fencing called it again), or, for an
   engine that sends per-block removals instead (TensorRT-LLM), until it has removed every
   block it held at the first reset; at most ``clear_timeout`` seconds after the last reset
-  either way. A loss meanwhile, or seqs that went back with no sign of a new engine, leave the
-  fence on; a restarted engine ends it.
+  either way, and never while batches received from the engine wait behind the one applied.
+  A loss meanwhile, or seqs that went back with no sign of a new engine, leave the fence on; a
+  restarted engine ends it.
 
 The live blocks are one published record, in publication order, each entry keeping the store
 that published it (a block has no object of its own): snapshots, replays of lost history and the
@@ -187,15 +188,17 @@ class Relay:
         finally:
             self._keeping_fence = False
 
-    def apply(self, events: list[Event]) -> None:
+    def apply(self, events: list[Event], caught_up: bool = True) -> None:
         """Capture the engine's events of one batch. Removals back to back in one lane are
         taken (and republished) as one: vLLM reports each evicted block in an event of its
-        own."""
-        if self._fence_until is not None and time.monotonic() > self._fence_until:
+        own. ``caught_up``: no batch of the engine's is received and waiting behind this one;
+        a fence times out only then (its clear may be in a backlog longer than the timeout,
+        and the backlog's batches from before it would go out after the marker)."""
+        if self._fence_until is not None and caught_up and time.monotonic() > self._fence_until:
             log.warning(
-                "upstream: the engine did not clear within %.1f s of a reset; following it "
+                "upstream: the engine did not clear within %s s of a reset; following it "
                 "again (its blocks from before are not published)",
-                self._clear_timeout,
+                round(self._clear_timeout, 3),
             )
             self.fences_timed_out += 1
             self._end_fence()
