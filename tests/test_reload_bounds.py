@@ -96,3 +96,76 @@ def test_key_reload_that_fails_keeps_the_keys_loaded(curve: tuple[CurveServer, P
     with pytest.raises(AuthError, match="not a regular file"):
         asyncio.run(server.reload())
     assert set(server._authenticator.certs["*"]) == keys
+
+
+async def test_sighup_reads_the_config_off_the_loop_one_reload_at_a_time(tmp_path: Path) -> None:
+    """The file was read and checked on the loop: half a second for a file near the old 1 MiB
+    bound, and a reset waited that long. It is read on a thread now (here, a read that waits
+    until the loop has turned), one reload at a time: SIGHUPs meanwhile read it once more."""
+    import threading
+
+    from kvpubd.daemon.service import Service
+    from kvpubd.daemon.settings import Settings
+    from tests.loop_turns import until
+
+    settings = Settings(
+        events={"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+        control={"endpoint": f"ipc://{tmp_path}/ctl"},
+        service={"linger_ms": 0},
+    )
+    go_on = threading.Event()
+    reads: list[bool] = []  # whether each read was let go on (else it gave up waiting)
+
+    reading = threading.Event()
+
+    def read() -> Settings:
+        reading.set()
+        reads.append(go_on.wait(5.0))
+        return settings
+
+    service = Service(settings, reload_settings=read)
+    await service.startup()
+    try:
+        service.reload()
+        # The loop turns while the read waits on its thread (read inline, it waited its 5 s
+        # out, and each SIGHUP read the file again).
+        await until(reading.is_set, "the read")
+        service.reload()  # during the read: one more read after it
+        service.reload()  # and no more than one
+        go_on.set()
+        reloading = service._reloading
+        assert reloading is not None
+        await until(reloading.done, "the reloads")
+        assert reads == [True, True]
+    finally:
+        go_on.set()
+        await service.shutdown()
+
+
+async def test_sighup_with_kv_cache_groups_unchanged_names_nothing_changed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``cache.groups`` compared as models on one side and dicts on the other: never equal, so
+    every SIGHUP of a hybrid cache warned that it had changed and wanted a restart."""
+    import logging
+
+    from kvpubd.daemon.service import Service
+    from kvpubd.daemon.settings import Settings
+    from tests.hybrid import hybrid_cache
+    from tests.loop_turns import until
+
+    settings = Settings(
+        cache=hybrid_cache(),
+        events={"endpoint": f"ipc://{tmp_path}/ev", "replay_endpoint": ""},
+        control={"endpoint": f"ipc://{tmp_path}/ctl"},
+        service={"linger_ms": 0},
+    )
+    service = Service(settings, reload_settings=lambda: settings.model_copy(deep=True))
+    await service.startup()
+    try:
+        with caplog.at_level(logging.INFO, "kvpubd"):
+            service.reload()
+            await until(lambda: "SIGHUP: reloaded" in caplog.text, "the reload")
+        assert "changed; restart the daemon" not in caplog.text, caplog.text
+    finally:
+        await service.shutdown()

@@ -129,6 +129,8 @@ class Service:
         self._reaper = Reaper()
         self._notifier = Notifier.from_environment()
         self._key_reload: asyncio.Task[None] | None = None
+        self._reloading: asyncio.Task[None] | None = None
+        self._reload_again = False
 
     @property
     def control_endpoint(self) -> str:
@@ -195,16 +197,31 @@ class Service:
 
     def reload(self) -> None:
         """SIGHUP: apply the log level and the CURVE authorised keys as they are now; every
-        other setting needs a restart. The keys are read a few files per loop turn (a
+        other setting needs a restart. The file is read and checked on a thread (parsing one of
+        hundreds of kilobytes held resets back half a second), one reload at a time: a SIGHUP
+        meanwhile reads it once more after. The keys are read a few files per loop turn (a
         directory of thousands would hold a reset back); a SIGHUP during that starts over."""
         if self._reload_settings is None:
             log.info("SIGHUP: nothing to reload")
             return
-        try:
-            fresh = self._reload_settings()
-        except ConfigError as exc:
-            log.error("SIGHUP: config error: %s; nothing reloaded", exc)
+        if self._reloading is not None and not self._reloading.done():
+            self._reload_again = True
             return
+        self._reloading = asyncio.create_task(self._reload(self._reload_settings))
+
+    async def _reload(self, read: Callable[[], Settings]) -> None:
+        while True:
+            self._reload_again = False
+            try:
+                fresh = await asyncio.to_thread(read)
+            except ConfigError as exc:
+                log.error("SIGHUP: config error: %s; nothing reloaded", exc)
+            else:
+                self._apply_reload(fresh)
+            if not self._reload_again:
+                return
+
+    def _apply_reload(self, fresh: Settings) -> None:
         self._set_log_level(fresh.service.log_level)
         reloaded = f"log level {fresh.service.log_level}"
         curve = self.control.curve if self.control is not None else None
@@ -215,12 +232,12 @@ class Service:
             log.info("SIGHUP: reloaded %s", reloaded)
         else:
             self._key_reload = asyncio.create_task(self._reload_keys(curve, reloaded))
+        running = self.settings.model_dump()  # both sides dumped: lists of models compare so
         changed = [
             f"{section}.{key}"
             for section, values in fresh.model_dump().items()
             for key, value in values.items()
-            if (section, key) != ("service", "log_level")
-            and getattr(getattr(self.settings, section), key) != value
+            if (section, key) != ("service", "log_level") and running[section][key] != value
         ]
         if changed:
             log.warning("SIGHUP: %s changed; restart the daemon to apply", ", ".join(changed))
@@ -403,8 +420,7 @@ class Service:
         self._caps = []
         self.owners.close()
         tasks, self._tasks = self._tasks, []
-        if self._key_reload is not None:
-            tasks.append(self._key_reload)
+        tasks += [t for t in (self._key_reload, self._reloading) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -558,7 +558,7 @@ def _describe_env_error(exc: SettingsError) -> str:
 
 # A config file is a few KiB (config/kvpubd.toml, every key, is under 8); the bound keeps a
 # wrong path (/dev/zero, a huge file) from stalling start-up or a SIGHUP reload.
-MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 64 << 10  # the shipped file is under 8 KiB
 
 
 def read_config_text(path: Path) -> str:
@@ -588,9 +588,19 @@ def log_level_option(value: str) -> str:
     return str(level)
 
 
+# Problems named in one error line at most (a file of thousands of unknown keys made a
+# megabyte-long log line).
+MAX_PROBLEMS_NAMED = 20
+
+
 def describe_validation_error(exc: ValidationError) -> str:
-    """One line naming every problem by its dotted key (a whole section by its name)."""
-    return "; ".join(_describe(error) for error in exc.errors())
+    """One line naming each problem by its dotted key (a whole section by its name), the
+    first MAX_PROBLEMS_NAMED of them."""
+    errors = exc.errors()
+    named = [_describe(error) for error in errors[:MAX_PROBLEMS_NAMED]]
+    if len(errors) > MAX_PROBLEMS_NAMED:
+        named.append(f"and {len(errors) - MAX_PROBLEMS_NAMED} more")
+    return "; ".join(named)
 
 
 def _describe(error: Any) -> str:
