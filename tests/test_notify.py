@@ -20,7 +20,7 @@ from kvpubd.client import replay
 from kvpubd.daemon.notify import Notifier, watchdog_interval
 from kvpubd.protocol.endpoints import rank_endpoint
 from kvpubd.protocol.wire import AllBlocksCleared, decode_batch
-from tests.daemon import Daemon
+from tests.daemon import Daemon, wait_for
 
 WATCHDOG_USEC = 100_000  # pings every 50 ms
 
@@ -134,6 +134,42 @@ def test_ready_watchdog_stopping_in_order(fake_systemd: FakeSystemd) -> None:
     assert kinds[0] == "READY" and kinds[-1] == "STOPPING", kinds
     assert kinds.count("READY") == 1 and kinds.count("STOPPING") == 1, kinds
     assert set(kinds[1:-1]) == {"WATCHDOG"} and len(kinds) >= 5, kinds
+
+
+@pytest.mark.process
+def test_ready_counts_the_ranks_of_worker_processes(fake_systemd: FakeSystemd) -> None:
+    """With ranks in worker processes the service holds no pipeline of its own: systemd was
+    told "serving 0 rank(s)"."""
+    daemon = Daemon({"cache": {"data_parallel_size": 2}, "service": {"rank_processes": "on"}})
+    env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "WATCHDOG_USEC")}
+    env.update(NOTIFY_SOCKET=fake_systemd.address)
+    try:
+        proc = start_serve(daemon, env)
+        ready = fake_systemd.until("READY", proc, daemon.log_path)
+        assert ready["STATUS"].startswith("serving 2 rank(s)"), ready
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        daemon.cleanup()
+
+
+@pytest.mark.process
+def test_a_ready_that_could_not_be_sent_is_not_logged_as_sent(tmp_path: Path) -> None:
+    """NOTIFY_SOCKET names a path nobody listens on: the daemon warned it cannot notify, and
+    then logged "notified systemd: ready" all the same."""
+    daemon = Daemon()
+    env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "WATCHDOG_USEC")}
+    env.update(NOTIFY_SOCKET=str(tmp_path / "nobody"))
+    try:
+        proc = start_serve(daemon, env)
+        wait_for(lambda: "ready" in daemon.log(), 20, "the daemon's ready line")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        log = daemon.log()
+        assert "cannot notify systemd" in log and "notified systemd: ready" not in log, log
+        assert "systemd not told it is ready" in log
+    finally:
+        daemon.cleanup()
 
 
 # -- the protocol pieces, in-process ----------------------------------------------------------

@@ -509,6 +509,32 @@ def test_sighup_reaches_every_worker(started: Daemon) -> None:
         wait_for(lambda line=line: line in started.log(), 10, f"rank {rank}'s reload")  # type: ignore[misc]
 
 
+def test_a_worker_started_again_logs_at_the_level_sighup_set(started: Daemon) -> None:
+    """A worker started again after a crash took the log level the service started with, not
+    the one SIGHUP had set since (the other workers kept that one)."""
+    config = started.config_path.read_text()
+    started.config_path.write_text(config.replace('log_level = "debug"', 'log_level = "info"'))
+    assert started.proc is not None
+    started.proc.send_signal(signal.SIGHUP)
+    reloaded = "kvpubd rank 0: SIGHUP: log level info"
+    wait_for(lambda: reloaded in started.log(), 10, "rank 0's reload")
+    old = workers(started)
+    os.kill(old[0], signal.SIGKILL)
+    wait_for(lambda: workers(started).get(0) not in (None, old[0]), 30, "a new worker")
+    with started.client() as client:
+        wait_for(lambda: client.stats() is not None, 10, "stats of both ranks")
+        for _ in range(5):
+            client.stats()  # each a debug line of the worker's control socket, at debug
+    started.config_path.write_text(config)  # debug again: a line of its own after those
+    started.proc.send_signal(signal.SIGHUP)
+    back = "kvpubd rank 0: SIGHUP: log level debug"
+    wait_for(lambda: started.log().count(back) == 1, 10, "rank 0's second reload")
+    log = started.log()
+    since_restart = log[log.rindex(f"worker pid {workers(started)[0]}") : log.index(back)]
+    debug = [line for line in since_restart.splitlines() if "DEBUG kvpubd rank 0" in line]
+    assert not debug, debug
+
+
 def test_one_scrape_counts_every_rank() -> None:
     port = free_tcp_ports(1)[0]
     daemon = service({"metrics": {"port": port}}).start(timeout=60)

@@ -112,6 +112,7 @@ class ProcessService(Service):
         self._deaths: dict[int, deque[float]] = {r: deque() for r in settings.cache.ranks}
         self._known_stats: dict[int, RankStats] = {}
         self._restarting: dict[int, asyncio.Task[None]] = {}
+        self._log_level: str | None = None  # as SIGHUP last set it (None: the settings')
         self._private_dir: Path | None = None
         self._zmq: zmq.Context[zmq.Socket[bytes]] | None = None
         super().__init__(settings, reload_settings, start_lines)
@@ -173,6 +174,7 @@ class ProcessService(Service):
 
     def _set_log_level(self, level: str) -> None:
         super()._set_log_level(level)
+        self._log_level = level  # a worker started again later starts at it too
         for process in self._processes.values():
             process.say(f"level {level}")
 
@@ -197,8 +199,11 @@ class ProcessService(Service):
 
     def _spec(self, rank: int) -> WorkerSpec:
         assert self._private_dir is not None
+        settings = self.settings.model_dump(mode="json")
+        if self._log_level is not None:  # as SIGHUP last set it
+            settings["service"]["log_level"] = self._log_level
         return WorkerSpec(
-            settings=self.settings.model_dump(mode="json"),
+            settings=settings,
             rank=rank,
             control_endpoint=f"ipc://{self._private_dir}/rank{rank}.sock",
             epoch=self.epoch,

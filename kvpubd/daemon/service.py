@@ -563,14 +563,16 @@ class Service:
         stops them and systemd restarts the daemon."""
         if not self._notifier.enabled:
             return
-        self._notifier.ready(
-            f"serving {len(self.pipelines)} rank(s), control on {self.control_endpoint}"
+        # The ranks configured: a service of rank processes holds no pipeline of its own.
+        delivered = self._notifier.ready(
+            f"serving {len(self.settings.cache.ranks)} rank(s), control on {self.control_endpoint}"
         )
         interval = watchdog_interval()
         if interval is not None:
             self._spawn(self._watchdog(interval), "watchdog")
         log.info(
-            "notified systemd: ready%s",
+            "%s%s",
+            "notified systemd: ready" if delivered else "systemd not told it is ready (see above)",
             f"; watchdog ping every {interval:g} s" if interval is not None else "",
         )
 
