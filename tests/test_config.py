@@ -128,6 +128,16 @@ BAD_FILES: dict[str, tuple[str, str]] = {
         '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{ev}"\n',
         "events.replay_endpoint",
     ),
+    # Both once exit 1 at bind ("in use by a running daemon", its own pid; "address in use").
+    "snapshot-on-the-events-ipc-path": (
+        '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\nsnapshot_endpoint = "{ev}"\n',
+        "events.snapshot_endpoint",
+    ),
+    "snapshot-ports-overlap-the-events": (
+        '[events]\nendpoint = "tcp://127.0.0.1:6000"\nreplay_endpoint = "{rp}"\n'
+        'snapshot_endpoint = "tcp://127.0.0.1:6000"\n',
+        "events.snapshot_endpoint",
+    ),
     # Values libzmq cannot take once failed at bind with a traceback.
     "hwm-past-a-c-int": (
         '[events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\nhwm = 2147483648\n',

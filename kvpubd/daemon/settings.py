@@ -455,6 +455,7 @@ class Settings(BaseSettings):
         for key, endpoint, served in (
             ("events.endpoint", self.events.endpoint, ranks),
             ("events.replay_endpoint", self.events.replay_endpoint, ranks),
+            ("events.snapshot_endpoint", self.events.snapshot_endpoint, ranks),
             ("control.endpoint", self.control.endpoint, range(1)),
             ("metrics.port", f"tcp://*:{self.metrics.port}" if self.metrics.port else "", range(1)),
         ):
@@ -483,6 +484,7 @@ class Settings(BaseSettings):
             for key, endpoint in (
                 ("events.endpoint", events.endpoint),
                 ("events.replay_endpoint", events.replay_endpoint),
+                ("events.snapshot_endpoint", events.snapshot_endpoint),
             )
             if endpoint
         ]
