@@ -172,6 +172,30 @@ def test_a_ready_that_could_not_be_sent_is_not_logged_as_sent(tmp_path: Path) ->
         daemon.cleanup()
 
 
+@pytest.mark.process
+def test_a_reload_says_reloading_then_ready(fake_systemd: FakeSystemd) -> None:
+    """SIGHUP (`systemctl reload`) sent systemd nothing: a reload returned before it was done
+    or had failed. RELOADING=1 with the monotonic clock as systemd wants it, then READY=1 once
+    the reload is applied."""
+    daemon = Daemon()
+    env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_PID", "WATCHDOG_USEC")}
+    env.update(NOTIFY_SOCKET=fake_systemd.address)
+    try:
+        proc = start_serve(daemon, env)
+        fake_systemd.until("READY", proc, daemon.log_path)
+        sent = time.monotonic_ns() // 1000
+        proc.send_signal(signal.SIGHUP)
+        reloading = fake_systemd.until("RELOADING", proc, daemon.log_path)
+        assert reloading["RELOADING"] == "1" and int(reloading["MONOTONIC_USEC"]) >= sent
+        ready = fake_systemd.until("READY", proc, daemon.log_path)
+        assert ready["READY"] == "1"
+        assert "SIGHUP: reloaded" in daemon.log()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        daemon.cleanup()
+
+
 # -- the protocol pieces, in-process ----------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ import gc
 import logging
 import secrets
 import signal
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,16 +211,24 @@ class Service:
         self._reloading = asyncio.create_task(self._reload(self._reload_settings))
 
     async def _reload(self, read: Callable[[], Settings]) -> None:
-        while True:
-            self._reload_again = False
-            try:
-                fresh = await asyncio.to_thread(read)
-            except ConfigError as exc:
-                log.error("SIGHUP: config error: %s; nothing reloaded", exc)
-            else:
-                self._apply_reload(fresh)
-            if not self._reload_again:
-                return
+        # systemd (`systemctl reload`) is told when the reload starts and when it is done, the
+        # CURVE keys read too.
+        self._notifier.notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            while True:
+                self._reload_again = False
+                try:
+                    fresh = await asyncio.to_thread(read)
+                except ConfigError as exc:
+                    log.error("SIGHUP: config error: %s; nothing reloaded", exc)
+                else:
+                    self._apply_reload(fresh)
+                    if self._key_reload is not None:
+                        await asyncio.wait({self._key_reload})  # its failure is its own
+                if not self._reload_again:
+                    return
+        finally:
+            self._notifier.ready("reloaded")
 
     def _apply_reload(self, fresh: Settings) -> None:
         self._set_log_level(fresh.service.log_level)
