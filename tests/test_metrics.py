@@ -206,6 +206,19 @@ def test_http_edges(start_daemon: StartDaemon) -> None:
         assert sock.recv(4096) == b""  # closed without an answer
     assert "kvpubd_build_info" in scrape(url)[1]  # and the daemon still serves
 
+    # Lines ended by a bare LF (a probe written with printf: no answer before) and an
+    # absolute-form target (404 before): both are HTTP a server may take.
+    for request, answer in (
+        (b"GET /healthz HTTP/1.0\n\n", b"ok\n"),
+        (b"GET http://127.0.0.1/healthz HTTP/1.1\r\nHost: x\r\n\r\n", b"ok\n"),
+    ):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request)
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200 OK") and reply.endswith(answer), (request, reply)
+
 
 async def test_daemons_in_one_process_keep_their_own_metrics(tmp_path: Path) -> None:
     """Two Services on one loop: each registry reports only its own daemon."""

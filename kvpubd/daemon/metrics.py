@@ -164,7 +164,7 @@ class Metrics:
         self.connections += 1
         self._by_peer[peer] = held + 1
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HTTP_TIMEOUT_S)
+            head = await asyncio.wait_for(_read_head(reader), HTTP_TIMEOUT_S)
             if self._refresh is not None and _path_of(head) in METRICS_PATHS:
                 await self._refresh()  # (not for /healthz: it reads no stats)
             status, content_type, body = self.page(head)
@@ -191,7 +191,7 @@ class Metrics:
 
     def page(self, head: bytes) -> tuple[str, str, bytes]:
         """(status, content type, body) for one request's line and headers."""
-        lines = head.decode("latin-1").split("\r\n")
+        lines = head.decode("latin-1").split("\r\n")  # as _read_head joins them
         parts = lines[0].split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             return "400 Bad Request", "text/plain", b"bad request line\n"
@@ -371,7 +371,30 @@ def _per_rank(
 METRICS_PATHS = ("/metrics", "/")
 
 
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    """A request's line and headers, up to the empty line, each line's end taken as CRLF or a
+    bare LF (RFC 9112 lets a server accept both; a probe written with printf sends LF, and got
+    no answer), joined with CRLF. Bounded as one line is (LimitOverrunError past HTTP_LIMIT)."""
+    lines: list[bytes] = []
+    size = 0
+    while True:
+        line = await reader.readuntil(b"\n")
+        size += len(line)
+        if size > HTTP_LIMIT:
+            raise asyncio.LimitOverrunError("request head too large", size)
+        line = line.rstrip(b"\r\n")
+        if not line:
+            return b"\r\n".join(lines) + b"\r\n\r\n"
+        lines.append(line)
+
+
 def _path_of(head: bytes) -> str:
-    """The path of a request's target ("" for a request line that has none)."""
+    """The path of a request's target ("" for a request line that has none); of an
+    absolute-form target (``http://host/metrics``), its path."""
     parts = head.split(b"\r\n", 1)[0].split(b" ")
-    return parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
+    if len(parts) != 3:
+        return ""
+    target = parts[1].split(b"?", 1)[0]
+    if b"://" in target:
+        target = b"/" + target.split(b"://", 1)[1].partition(b"/")[2]
+    return target.decode("latin-1")
