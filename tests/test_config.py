@@ -205,6 +205,8 @@ def test_config_that_is_not_utf8_exits_2_naming_the_file(tmp_path: Path) -> None
     [
         ("KVPUBD_EVENTS__WIRE_FORMAT", "xml", "events.wire_format"),
         ("KVPUBD_CACHE__NUM_BLOCKS", "many", "cache.num_blocks"),
+        # A list key's value that is no JSON: once named as KVPUBD_CACHE, a section not set.
+        ("KVPUBD_CACHE__RANK_DEVICES", "cpu", "KVPUBD_CACHE__RANK_DEVICES"),
     ],
 )
 def test_bad_env_value_exits_2_naming_the_key(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import stat
@@ -550,12 +551,28 @@ def load_settings(
         raise ConfigError("environment: a KVPUBD_* value is nested too deeply") from None
 
 
-def _describe_env_error(exc: SettingsError) -> str:
-    """pydantic-settings names the field, not the variable; the cause says what is wrong."""
+def _describe_env_error(exc: SettingsError, environ: Mapping[str, str] = os.environ) -> str:
+    """pydantic-settings names the section, not the variable; the cause says what is wrong.
+    Where the section's own variable is not set, a key's is: the first whose value is no
+    JSON (a list key, ``KVPUBD_CACHE__RANK_DEVICES=cpu``, was reported as the section's)."""
     match = re.search(r'field "(\w+)"', str(exc))
-    variable = f"KVPUBD_{match.group(1).upper()}" if match else "a KVPUBD_* variable"
     cause = f": {exc.__cause__}" if exc.__cause__ is not None else ""
-    return f"{variable}: a whole section must be a JSON object{cause}"
+    if match is None:
+        return f"a KVPUBD_* variable: not JSON where a list or a section is expected{cause}"
+    section = f"{ENV_PREFIX}{match.group(1)}".upper()
+    if section not in {name.upper() for name in environ}:
+        for name, value in environ.items():
+            if name.upper().startswith(f"{section}__") and not _is_json(value):
+                return f"{name}: a list or map must be given as JSON (such as '[\"cpu\"]'){cause}"
+    return f"{section}: a whole section must be a JSON object{cause}"
+
+
+def _is_json(value: str) -> bool:
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
 
 
 # A config file is a few KiB (config/kvpubd.toml, every key, is under 8); the bound keeps a
