@@ -331,3 +331,42 @@ def test_a_client_with_the_longest_routing_id_is_answered(start_daemon: DaemonFa
             frames = sock.recv_multipart()
     finally:
         context.destroy(linger=0)
+
+
+def test_a_request_of_thousands_of_frames_is_dropped_a_slice_per_turn(tmp_path: Path) -> None:
+    """One message of 100 000 empty frames to the replay ROUTER: read as one list, it held the
+    loop for as long as libzmq took to hand it over and Python to copy it (a million frames,
+    2.5 s; a reset waited that long). It is read and dropped a slice of frames per turn, and
+    a request behind it is served."""
+    from kvpubd.daemon.transports.zmq import REPLAY_ACCEPT, REPLAY_FRAMES
+
+    context = zmq.Context()
+    publisher = local_publisher(context, tmp_path, buffer_steps=64)
+    flood = context.socket(zmq.DEALER)
+    flood.connect(publisher.replay_endpoint)
+    reader = context.socket(zmq.DEALER)
+    reader.connect(publisher.replay_endpoint)
+    try:
+        for _ in range(3):
+            publisher.publish([])
+        flood.send_multipart([b""] * 100_000)
+        transport = publisher.transport
+        sock = transport.replay
+        assert sock is not None
+        deadline = time.monotonic() + 10
+        while not sock.poll(10):  # the whole message is there (libzmq hands over no part)
+            assert time.monotonic() < deadline, "the flood never arrived"
+        transport.handle_replay(slice_s=0)
+        assert transport._requests.discarding, "one turn read the whole message"
+        turns = 1
+        while transport._requests.discarding:
+            transport.handle_replay(slice_s=0)
+            turns += 1
+        assert turns >= 100_000 // (REPLAY_ACCEPT * REPLAY_FRAMES)
+        reader.send_multipart([b"", pack_seq(0)])
+        assert replayed(publisher, reader) == [0, 1, 2]
+    finally:
+        flood.close(linger=0)
+        reader.close(linger=0)
+        publisher.close()
+        context.term()

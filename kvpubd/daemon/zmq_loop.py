@@ -70,3 +70,44 @@ def listener(
         sock.setsockopt(zmq.AFFINITY, affinity)
     sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     return sock
+
+
+class BoundedMessages:
+    """Reads a ROUTER's requests a frame at a time, a budget of frames per call. libzmq hands
+    over a message only once it has all of it, and a peer may send one of a million empty
+    frames (2 bytes each on the wire): read as one list, it held the loop for seconds. A
+    message past ``max_frames`` is given with its first frames only (a request it cannot be)
+    and the rest is read and dropped, a budget per call."""
+
+    def __init__(self, max_frames: int) -> None:
+        self.max_frames = max_frames
+        self.discarding = False  # in the middle of a message too long to be a request
+
+    def take(self, sock: zmq.Socket[bytes], budget: int) -> list[tuple[list[bytes], str]]:
+        """Messages read within ``budget`` frames, each with its peer's address."""
+        taken: list[tuple[list[bytes], str]] = []
+        while budget > 0:
+            if self.discarding:
+                budget -= self._discard(sock, budget)
+                continue
+            if not readable(sock):
+                break
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+            frames: list[bytes] = [first.bytes]
+            budget -= 1
+            while sock.getsockopt(zmq.RCVMORE):
+                if len(frames) > self.max_frames:
+                    self.discarding = True
+                    break
+                frames.append(sock.recv(zmq.NOBLOCK))
+                budget -= 1
+            taken.append((frames, peer_address(first)))
+        return taken
+
+    def _discard(self, sock: zmq.Socket[bytes], budget: int) -> int:
+        read = 0
+        while read < budget and self.discarding:
+            sock.recv(zmq.NOBLOCK)
+            read += 1
+            self.discarding = bool(sock.getsockopt(zmq.RCVMORE))
+        return read

@@ -26,9 +26,9 @@ from kvpubd.daemon.transports.zmq_snapshot import SnapshotEndpoint
 from kvpubd.daemon.zmq_loop import (
     LIVE_AFFINITY,
     REPLAY_AFFINITY,
+    BoundedMessages,
     address_share,
     listener,
-    peer_address,
     readable,
     reader_fd,
 )
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 REPLAY_MAX_MESSAGE_BYTES = 512
 REPLAY_CHUNK = 64  # batches one replay sends before the next replay gets a turn
 REPLAY_ACCEPT = 32  # replay requests read per loop turn: a flood waits in ZeroMQ, not here
+REPLAY_FRAMES = 3  # [identity, b"", start seq]
 REPLAY_SLICE_S = 0.0005  # replay work per loop turn
 _MORE = int(zmq.SNDMORE)  # a plain int: combining pyzmq's flag enums costs per frame
 # pyzmq's compiled send, under the Python ``Socket.send`` that only adds DRAFT sockets' routing
@@ -107,6 +108,7 @@ class ZmqTransport:
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
         self.replay: zmq.Socket[bytes] | None = None
+        self._requests = BoundedMessages(REPLAY_FRAMES)
         self.replay_endpoint = ""
         if replay_endpoint:
             self.replay = listener(context.socket(zmq.ROUTER), REPLAY_AFFINITY, context)
@@ -228,19 +230,17 @@ class ZmqTransport:
         if sock is None:
             return False
         deadline = time.perf_counter() + slice_s
-        for _ in range(REPLAY_ACCEPT):
-            # Reading EVENTS after our own sends re-arms the socket's edge-triggered FD.
-            if not readable(sock):
-                break
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            self._accept([frame.bytes for frame in frames], peer_address(frames[0]))
+        # A request is 3 frames: REPLAY_ACCEPT of them a turn, read a frame at a time (reading
+        # EVENTS after our own sends re-arms the socket's edge-triggered FD).
+        for frames, address in self._requests.take(sock, REPLAY_ACCEPT * REPLAY_FRAMES):
+            self._accept(frames, address)
         while self._replays and time.perf_counter() < deadline:
             replay = self._replays.popleft()
             if not self._stream(sock, replay, REPLAY_CHUNK):
                 self._replays.append(replay)
             elif replay.snapshot is None:  # finished (a parked one still holds the ring)
                 self._finished(replay)
-        more_requests = readable(sock)
+        more_requests = self._requests.discarding or readable(sock)
         return bool(self._replays) or more_requests
 
     def _accept(self, frames: list[bytes], address: str = "") -> None:

@@ -30,9 +30,9 @@ from kvpubd.daemon.history import History, Snapshots
 from kvpubd.daemon.snapshot import Snapshot
 from kvpubd.daemon.zmq_loop import (
     REPLAY_AFFINITY,
+    BoundedMessages,
     address_share,
     listener,
-    peer_address,
     readable,
     reader_fd,
 )
@@ -94,7 +94,7 @@ class SnapshotEndpoint:
         self._job: asyncio.Future[Snapshot] | None = None  # the build the waiting wait for
         self._replies: deque[_Reply] = deque()
         self._in_flight: list[tuple[zmq.MessageTracker, Snapshot]] = []
-        self._discarding = False  # in the middle of a message too long to be a request
+        self._requests = BoundedMessages(MAX_REQUEST_FRAMES)
         self._pump_scheduled = False
         self._fd: int | None = None
 
@@ -145,37 +145,14 @@ class SnapshotEndpoint:
         self._dispatch()
         self._send(sock)
         # Reading EVENTS after our own sends re-arms the socket's edge-triggered FD.
-        if self._replies or self._discarding or readable(sock):
+        if self._replies or self._requests.discarding or readable(sock):
             self._schedule_pump()
 
     # -- requests -----------------------------------------------------------------------------
 
     def _accept(self, sock: zmq.Socket[bytes]) -> None:
-        budget = ACCEPT_FRAMES
-        while budget > 0:
-            if self._discarding:
-                budget -= self._discard(sock, budget)
-                continue
-            if not readable(sock):
-                return
-            first = sock.recv(zmq.NOBLOCK, copy=False)
-            frames: list[bytes] = [first.bytes]
-            budget -= 1
-            while sock.getsockopt(zmq.RCVMORE):
-                if len(frames) > MAX_REQUEST_FRAMES:  # longer than any request: the rest is
-                    self._discarding = True  # read and dropped, a slice a turn
-                    break
-                frames.append(sock.recv(zmq.NOBLOCK))
-                budget -= 1
-            self._take(frames, peer_address(first))
-
-    def _discard(self, sock: zmq.Socket[bytes], budget: int) -> int:
-        read = 0
-        while read < budget and self._discarding:
-            sock.recv(zmq.NOBLOCK)
-            read += 1
-            self._discarding = bool(sock.getsockopt(zmq.RCVMORE))
-        return read
+        for frames, address in self._requests.take(sock, ACCEPT_FRAMES):
+            self._take(frames, address)
 
     def _take(self, frames: list[bytes], address: str = "") -> None:
         # An envelope's frames before the empty one are ids, never empty themselves.
