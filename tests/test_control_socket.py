@@ -7,10 +7,12 @@ never wakes for it."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -177,3 +179,36 @@ def test_a_client_that_connects_again_under_its_identity_is_answered(
         first.close()
         second.close()
         context.term()
+
+
+async def test_a_message_of_thousands_of_frames_is_dropped_a_slice_per_turn(
+    tmp_path: Path,
+) -> None:
+    """One control message of 100 000 empty frames: read whole, it held the loop as long as
+    Python took to copy it (a million frames, seconds), a reset's marker with it. It is read
+    and dropped a slice of frames per loop turn, and a request behind it is answered."""
+    from kvpubd.daemon.control_server import DISCARD_FRAMES
+    from tests.loop_turns import started_service, until
+
+    async with started_service(tmp_path) as service:
+        control = service.control
+        assert control is not None and control.socket is not None
+        context = zmq.Context()
+        flood, client = (context.socket(zmq.DEALER) for _ in range(2))
+        try:
+            flood.connect(control.endpoint)
+            flood.send_multipart([b""] * 100_000)
+            await until(lambda: control._requests.discarding, "the flood being dropped")
+            turns = 0
+            while control._requests.discarding:
+                await asyncio.sleep(0)
+                turns += 1
+            assert turns >= 100_000 // DISCARD_FRAMES // 2  # many turns, not one
+            client.connect(control.endpoint)
+            client.send_multipart(request("ping", 1))
+            await until(lambda: client.poll(0), "the ping's reply")
+            assert msgpack.unpackb(client.recv_multipart()[-1])["id"] == 1
+        finally:
+            flood.close(linger=0)
+            client.close(linger=0)
+            context.term()

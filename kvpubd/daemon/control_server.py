@@ -27,7 +27,13 @@ from kvpubd.daemon.hooks import MetricsHooks
 from kvpubd.daemon.owners import Owner, owner_of_message
 from kvpubd.daemon.pending import Pending
 from kvpubd.daemon.settings import ControlConfig
-from kvpubd.daemon.zmq_loop import LIVE_AFFINITY, listener, readable, reader_fd
+from kvpubd.daemon.zmq_loop import (
+    LIVE_AFFINITY,
+    BoundedMessages,
+    listener,
+    readable,
+    reader_fd,
+)
 from kvpubd.protocol.control import Request, Snapshot, error_reply, op_of
 from kvpubd.protocol.control_frames import ProtocolError, parse_request, peek_id
 
@@ -49,6 +55,11 @@ UNSENT_POLL_S = 0.005
 # client, and any a proxy or a correlating DEALER put in front (a rank worker's requests come
 # from its service's DEALER, each with a correlation frame).
 MAX_ENVELOPE_FRAMES = 8
+# A request's frames at most: its envelope, the empty delimiter and the request.
+MAX_MESSAGE_FRAMES = MAX_ENVELOPE_FRAMES + 2
+# Frames of a message longer than any request dropped per loop turn (about a millisecond):
+# every request behind it waits until it is gone, so it goes as fast as the loop allows.
+DISCARD_FRAMES = 2048
 # A client whose ZeroMQ reply queue is full (it does not read): its replies wait in the daemon,
 # tried again this often, and its new requests are refused ``busy`` unexecuted, that many at
 # most; past that they are dropped unread (each still unexecuted). ZeroMQ dropped such replies
@@ -108,6 +119,7 @@ class ControlServer:
         self._backlog: dict[bytes, deque[tuple[Route, bytes | memoryview]]] = {}
         self._refusals_held: dict[bytes, int] = {}
         self._retry: asyncio.TimerHandle | None = None
+        self._requests = BoundedMessages(MAX_MESSAGE_FRAMES)
 
     @property
     def socket(self) -> zmq.Socket[bytes] | None:
@@ -191,14 +203,17 @@ class ControlServer:
         budget = CONTROL_BURST_BYTES
         deadline = time.perf_counter() + CONTROL_BURST_S
         for _ in range(CONTROL_BURST):
-            if not readable(sock):
+            # A frame at a time: a message of a million empty frames, read whole, held the loop
+            # for seconds (one longer than any request is dropped a slice per turn).
+            taken = self._requests.take(sock, DISCARD_FRAMES, most=1)
+            if not taken:
+                if self._requests.discarding:
+                    break  # the rest of it on a later turn
                 return
-            # Frames, for the last one's metadata; .bytes is the one copy a plain recv makes.
-            message = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            frames = [frame.bytes for frame in message]
+            ((frames, first),) = taken
             route = _route(frames)
             try:
-                self._answer(message, frames, route)
+                self._answer(first, frames, route)
             except Exception:
                 # A bug: the request is answered `internal` and the socket keeps being read
                 # (it is edge-triggered: a reader that stopped here would never wake again).
@@ -213,7 +228,7 @@ class ControlServer:
         asyncio.get_running_loop().call_soon(self._serve)
 
     def _answer(
-        self, message: list[zmq.Frame], frames: list[bytes], route: tuple[bytes, ...] | None
+        self, first: zmq.Frame, frames: list[bytes], route: tuple[bytes, ...] | None
     ) -> None:
         reply: Reply | None = None
         if route is None:
@@ -222,10 +237,10 @@ class ControlServer:
             reply = self._not_read(route, frames)
             if reply is None:
                 return
-        elif self._curve is not None and not self._curve.admits(_metadata(message[-1], "User-Id")):
+        elif self._curve is not None and not self._curve.admits(_metadata(first, "User-Id")):
             reply = self._revoked(frames, len(route))
         else:
-            owner = owner_of_message(_metadata(message[-1], "Peer-Address"), self.endpoint)
+            owner = owner_of_message(_metadata(first, "Peer-Address"), self.endpoint)
             reply = self.handle_frames(frames, owner)
         if route is None or reply is None:
             return

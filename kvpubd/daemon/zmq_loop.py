@@ -83,10 +83,13 @@ class BoundedMessages:
         self.max_frames = max_frames
         self.discarding = False  # in the middle of a message too long to be a request
 
-    def take(self, sock: zmq.Socket[bytes], budget: int) -> list[tuple[list[bytes], str]]:
-        """Messages read within ``budget`` frames, each with its peer's address."""
-        taken: list[tuple[list[bytes], str]] = []
-        while budget > 0:
+    def take(
+        self, sock: zmq.Socket[bytes], budget: int, most: int | None = None
+    ) -> list[tuple[list[bytes], zmq.Frame]]:
+        """Messages read within ``budget`` frames (``most`` of them at most), each with its
+        first frame as received (its metadata: ``peer_address``, a CURVE key)."""
+        taken: list[tuple[list[bytes], zmq.Frame]] = []
+        while budget > 0 and (most is None or len(taken) < most):
             if self.discarding:
                 budget -= self._discard(sock, budget)
                 continue
@@ -101,7 +104,7 @@ class BoundedMessages:
                     break
                 frames.append(sock.recv(zmq.NOBLOCK))
                 budget -= 1
-            taken.append((frames, peer_address(first)))
+            taken.append((frames, first))
         return taken
 
     def _discard(self, sock: zmq.Socket[bytes], budget: int) -> int:

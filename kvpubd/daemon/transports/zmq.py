@@ -29,6 +29,7 @@ from kvpubd.daemon.zmq_loop import (
     BoundedMessages,
     address_share,
     listener,
+    peer_address,
     readable,
     reader_fd,
 )
@@ -232,8 +233,8 @@ class ZmqTransport:
         deadline = time.perf_counter() + slice_s
         # A request is 3 frames: REPLAY_ACCEPT of them a turn, read a frame at a time (reading
         # EVENTS after our own sends re-arms the socket's edge-triggered FD).
-        for frames, address in self._requests.take(sock, REPLAY_ACCEPT * REPLAY_FRAMES):
-            self._accept(frames, address)
+        for frames, first in self._requests.take(sock, REPLAY_ACCEPT * REPLAY_FRAMES):
+            self._accept(frames, peer_address(first))
         while self._replays and time.perf_counter() < deadline:
             replay = self._replays.popleft()
             if not self._stream(sock, replay, REPLAY_CHUNK):

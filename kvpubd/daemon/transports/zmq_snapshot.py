@@ -33,6 +33,7 @@ from kvpubd.daemon.zmq_loop import (
     BoundedMessages,
     address_share,
     listener,
+    peer_address,
     readable,
     reader_fd,
 )
@@ -151,8 +152,8 @@ class SnapshotEndpoint:
     # -- requests -----------------------------------------------------------------------------
 
     def _accept(self, sock: zmq.Socket[bytes]) -> None:
-        for frames, address in self._requests.take(sock, ACCEPT_FRAMES):
-            self._take(frames, address)
+        for frames, first in self._requests.take(sock, ACCEPT_FRAMES):
+            self._take(frames, peer_address(first))
 
     def _take(self, frames: list[bytes], address: str = "") -> None:
         # An envelope's frames before the empty one are ids, never empty themselves.
