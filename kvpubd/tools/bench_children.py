@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from kvpubd.interrupts import ctrl_c_kept_from_children
+from kvpubd.tools.launcher import tied
 
 # How long a child that finished its work gets to exit by itself after a complete run.
 EXIT_GRACE_S = 10.0
@@ -21,7 +22,7 @@ def start_child(stack: ExitStack, target: Callable[..., None], *args: Any) -> An
     for a command."""
     spawn = multiprocessing.get_context("spawn")
     ours, theirs = spawn.Pipe()
-    child = spawn.Process(target=target, args=(*args, theirs), daemon=True)
+    child = spawn.Process(**tied(target, (*args, theirs)), daemon=True)
     with ctrl_c_kept_from_children():  # Ctrl-C is the bench's to handle: it stops the child
         child.start()
     stack.push(_stopper(child))

@@ -40,13 +40,13 @@ class BareMarkerServer:
     def __init__(self) -> None:
         import multiprocessing
 
-        from kvpubd.tools.launcher import free_tcp_ports
+        from kvpubd.tools.launcher import free_tcp_ports, tied
 
         control, events = free_tcp_ports(2)
         self.control_endpoint = f"tcp://127.0.0.1:{control}"
         self.events_endpoint = f"tcp://127.0.0.1:{events}"
         self._process = multiprocessing.get_context("spawn").Process(
-            target=_bare_marker_server, args=(self.control_endpoint, self.events_endpoint)
+            **tied(_bare_marker_server, (self.control_endpoint, self.events_endpoint))
         )
 
     def client(self, timeout: float = 5.0) -> Any:

@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 
 from kvpubd.interrupts import ctrl_c_kept_from_children
+from kvpubd.tools.launcher import tied
 
 LOADS = ("snapshot", "snapshot-endpoint", "replay-flood", "big-store", "idle-conns")
 # The rank a load works on; the bench resets rank 0 alone, so a load's own cache survives.
@@ -448,8 +449,7 @@ class Load:
             "idle-conns": (idle_conns_load, 1),
         }[spec.name]
         self.processes = [
-            ctx.Process(target=target, args=(self.control, spec), daemon=True)
-            for _ in range(copies)
+            ctx.Process(**tied(target, (self.control, spec)), daemon=True) for _ in range(copies)
         ]
         self.results: list[dict[str, Any]] = []
 

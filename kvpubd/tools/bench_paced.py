@@ -14,7 +14,7 @@ from kvpubd.interrupts import ctrl_c_kept_from_children
 from kvpubd.tools.bench_probe import TINY_BLOCKS, ResetProbe
 from kvpubd.tools.bench_prompts import make_prompts
 from kvpubd.tools.bench_report import summary
-from kvpubd.tools.launcher import DaemonProcess
+from kvpubd.tools.launcher import DaemonProcess, tied
 
 LOAD_WINDOW = 64  # requests in flight at most: a paced client, not a flood
 
@@ -82,8 +82,10 @@ def measure_resets_under_load(
         probe = ResetProbe(daemon)
         stop, child_stop = spawn.Pipe()
         load = spawn.Process(
-            target=_paced_load,
-            args=(daemon.control_endpoint, fraction * capacity_rps, seconds, child_stop),
+            **tied(
+                _paced_load,
+                (daemon.control_endpoint, fraction * capacity_rps, seconds, child_stop),
+            ),
             daemon=True,
         )
         stopped = False

@@ -50,6 +50,24 @@ def dies_with_this_process(also: Callable[[], None] | None = None) -> Callable[[
     return preexec
 
 
+def run_tied(parent: int, target: Callable[..., None], *args: Any) -> None:
+    """A spawned child's entry point: it gets SIGTERM when ``parent`` (the tool) dies, however
+    it dies, then runs ``target(*args)``. A child waiting on a daemon or a pipe that will never
+    answer (a tool killed with SIGKILL) ran on for good. Start it from the main thread (the
+    kernel ties the signal to the thread that forks)."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal
+            os.kill(os.getpid(), signal.SIGTERM)
+    target(*args)
+
+
+def tied(target: Callable[..., None], args: tuple[Any, ...]) -> dict[str, Any]:
+    """``Process(**tied(target, args), ...)``: ``target(*args)`` in a child that dies with this
+    process (run_tied)."""
+    return {"target": run_tied, "args": (os.getpid(), target, *args)}
+
+
 def live_subscriber(
     endpoint: str, poll_ms: int = 20
 ) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]]:

@@ -39,7 +39,7 @@ from kvpubd.tools.bench_daemon import start_with_free_ports, stop_and_report
 from kvpubd.tools.bench_load import LoadControl, LoadSpec, raise_fd_limit
 from kvpubd.tools.bench_probe import ResetProbe
 from kvpubd.tools.bench_report import summary
-from kvpubd.tools.launcher import DaemonProcess
+from kvpubd.tools.launcher import DaemonProcess, tied
 from kvpubd.tools.soak_loads import LOADS, NUM_BLOCKS, OPT_IN, ORPHAN_GRACE_S
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def _soak(
         flood_processes=1,
     )
     control = LoadControl.shared(ctx)
-    loads = [ctx.Process(target=LOADS[name], args=(control, spec), daemon=True) for name in names]
+    loads = [ctx.Process(**tied(LOADS[name], (control, spec)), daemon=True) for name in names]
     endpoints = {
         "events": daemon.events_endpoint,
         "replay": daemon.replay_endpoint,
@@ -213,7 +213,7 @@ def _soak(
     pipes = [ctx.Pipe() for _ in FOLLOWERS]
     commands = [ours for ours, _ in pipes]
     followers = [
-        ctx.Process(target=_follow, args=(endpoints, theirs, how, host_medium), daemon=True)
+        ctx.Process(**tied(_follow, (endpoints, theirs, how, host_medium)), daemon=True)
         for (_, theirs), how in zip(pipes, FOLLOWERS, strict=True)
     ]
     probe = ResetProbe(daemon)

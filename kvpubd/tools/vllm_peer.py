@@ -22,6 +22,7 @@ import numpy as np
 
 from kvpubd.interrupts import ctrl_c_kept_from_children
 from kvpubd.protocol.wire import BlockHash
+from kvpubd.tools.launcher import tied
 from kvpubd.tools.vllm_source import kv_events_path, load_kv_events
 
 # The batch shape: 8 BlockStored events x 16 blocks x 16 tokens.
@@ -233,7 +234,7 @@ class _Side:
 
         def start(target: Any, *args: Any) -> Any:
             pipe, child = spawn.Pipe()
-            process = spawn.Process(target=target, args=(*args, child), daemon=True)
+            process = spawn.Process(**tied(target, (*args, child)), daemon=True)
             with ctrl_c_kept_from_children():  # Ctrl-C is the bench's to handle: it stops them
                 process.start()
             self.pipes.append(pipe)
