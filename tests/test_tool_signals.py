@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -120,11 +121,16 @@ def _start(tools: list[subprocess.Popen[str]], *args: str) -> subprocess.Popen[s
 
 
 def _assert_ended_cleanly(
-    proc: subprocess.Popen[str], child: ChildDaemon, code: int, line: str
+    proc: subprocess.Popen[str],
+    child: ChildDaemon,
+    code: int,
+    line: str,
+    blank_lines: bool = False,
 ) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code, err
-    assert err.splitlines() == [line], err
+    lines = [x for x in err.splitlines() if x] if blank_lines else err.splitlines()
+    assert lines == [line], err
     assert child.gone(), "the tool's daemon outlived it"
     assert not child.segment.exists(), f"{child.segment} left behind"
     assert not child.directory.exists(), f"{child.directory} left behind"
@@ -182,6 +188,23 @@ def test_bench_throughput_ctrl_c_stops_its_processes(tools: list[subprocess.Pope
         os.kill(child.pid, signal.SIGCONT)
     _assert_ended_cleanly(bench, child, 130, "kvpubd: interrupted")
     assert not Path(f"/proc/{helper}").exists() or _zombie(helper)
+
+
+@pytest.mark.bench
+def test_bench_soak_ctrl_c_stops_its_processes(tools: list[subprocess.Popen[str]]) -> None:
+    """Ctrl-C in a terminal, mid-soak: its loads and followers printed tracebacks (started
+    where Ctrl-C reached them), its daemon stopped under it, and reading what it left pinned
+    then failed: exit 1 after 14 s, the daemon's directory left behind."""
+    bench = _start(tools, "bench", "soak", "--duration", "120", "--load", "small-stores")
+    child = wait_for(lambda: _find_daemon(bench), timeout=60, what="the soak's daemon")
+    wait_for(lambda: len(_spawned_helpers(bench)) >= 3, timeout=60, what="its load, followers")
+    helpers = _spawned_helpers(bench)
+    for helper in helpers:
+        wait_for(partial(_sigint_in, helper, "SigCgt"), timeout=60, what="a helper to start")
+    os.killpg(bench.pid, signal.SIGINT)
+    # (its progress line, cleared, leaves an empty line before the tool's own)
+    _assert_ended_cleanly(bench, child, 130, "kvpubd: interrupted", blank_lines=True)
+    assert all(not Path(f"/proc/{h}").exists() or _zombie(h) for h in helpers)
 
 
 def test_a_killed_tool_takes_its_daemon_along(tools: list[subprocess.Popen[str]]) -> None:

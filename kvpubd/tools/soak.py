@@ -33,8 +33,10 @@ import typer
 from rich.console import Console
 from rich.progress import Progress
 
+from kvpubd.client import ControlError
 from kvpubd.daemon.settings import RankProcessesMode
 from kvpubd.exits import USAGE, fail
+from kvpubd.interrupts import ctrl_c_kept_from_children, interrupts_ignored
 from kvpubd.tools.bench_daemon import start_with_free_ports, stop_and_report
 from kvpubd.tools.bench_load import LoadControl, LoadSpec, raise_fd_limit
 from kvpubd.tools.bench_probe import ResetProbe
@@ -227,10 +229,11 @@ def _soak(
     report: dict[str, Any] = {"loads_run": names}
     try:
         probe.wait_connected()
-        for follower in followers:
-            follower.start()
-        for process in loads:
-            process.start()
+        with ctrl_c_kept_from_children():  # Ctrl-C is the soak's to handle: it stops them
+            for follower in followers:
+                follower.start()
+            for process in loads:
+                process.start()
         control.go.set()
         started = time.monotonic()
         next_checkpoint = started + CHECKPOINT_EVERY_S
@@ -255,34 +258,9 @@ def _soak(
         checkpoints += 1
         divergences += _checkpoint(control, probe, commands, followers, answer_s)
     finally:
-        control.stop.set()
-        control.go.set()
-        results = []
-        for _ in loads:
-            try:
-                results.append(control.results.get(timeout=10))
-            except Exception:
-                break
-        for process in [*loads]:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
-        for follower, command in zip(followers, commands, strict=True):
-            if follower.is_alive():
-                command.send("stop")
-                if command.poll(10):
-                    command.recv()
-                follower.join(10)
-                if follower.is_alive():
-                    follower.kill()
-        report["pins_left"] = _pins_left(probe)
-        probe.close()
-        # At log level warning: what went wrong, in the daemon's words.
-        warnings = daemon.log().splitlines()
-        errors = sum(" ERROR " in line or " CRITICAL " in line for line in warnings)
-        report["daemon_log"] = {"lines": len(warnings), "errors": errors, "last": warnings[-20:]}
-        report["daemon"] = stop_and_report(daemon)
-        report["loads"] = results
+        # A second Ctrl-C must not cut this short: the daemon would be left behind.
+        with interrupts_ignored():
+            _stop_all(control, loads, followers, commands, probe, daemon, report)
     report.update(
         {
             "duration_s": duration_s,
@@ -305,6 +283,56 @@ def _soak(
         and bool(report["daemon"].get("alive_at_end"))
     )
     return report
+
+
+def _stop_all(
+    control: LoadControl,
+    loads: list[Any],
+    followers: list[Any],
+    commands: list[Any],
+    probe: Any,
+    daemon: DaemonProcess,
+    report: dict[str, Any],
+) -> None:
+    """Stop the loads and followers that were started, read what is left pinned, and stop
+    the daemon, whatever failed before (an interrupt before the loads started, a daemon the
+    terminal's Ctrl-C stopped too)."""
+    try:
+        control.stop.set()
+        control.go.set()
+        started = [process for process in loads if process.pid is not None]
+        results = []
+        for _ in started:
+            try:
+                results.append(control.results.get(timeout=10))
+            except Exception:
+                break
+        for process in started:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+        for follower, command in zip(followers, commands, strict=True):
+            if follower.is_alive():
+                command.send("stop")
+                if command.poll(10):
+                    command.recv()
+                follower.join(10)
+                if follower.is_alive():
+                    follower.kill()
+        report["loads"] = results
+        try:
+            report["pins_left"] = _pins_left(probe) if daemon.alive() else {"daemon": "gone"}
+        except (ControlError, TimeoutError, OSError) as exc:
+            report["pins_left"] = {"daemon": f"no answer: {exc}"}
+        probe.close()
+    finally:
+        # At log level warning: what went wrong, in the daemon's words.
+        warnings = daemon.log().splitlines()
+        errors = sum(" ERROR " in line or " CRITICAL " in line for line in warnings)
+        report["daemon_log"] = {"lines": len(warnings), "errors": errors, "last": warnings[-20:]}
+        report["daemon"] = stop_and_report(daemon)
+        report.setdefault("loads", [])
+        report.setdefault("pins_left", {})
 
 
 def _pins_left(probe: Any) -> dict[str, str]:
