@@ -218,6 +218,10 @@ def test_trtllm_streaming_maps() -> None:
         ("vllm", msgpack.packb([1.0, [{**STORED_MAP, "token_ids": [2**32]}], 0])),
         ("vllm", msgpack.packb([1.0, [{**STORED_MAP, "block_size": 0}], 0])),
         ("vllm", msgpack.packb({"ts": 1.0})),
+        ("vllm", msgpack.packb(["soon", [], 0])),  # a ts that is no number
+        ("vllm", msgpack.packb([1.0, [], "rank 0"])),
+        ("vllm", msgpack.packb([1.0, [], 0]) + b"\x00"),  # trailing bytes
+        ("vllm", msgpack.packb([1.0, [STORED_MAP]])[:-3]),  # cut short
         ("vllm", b"\x91" * 100_000 + b"\x01"),  # nested past the decoder's limit
         ("sglang", msgpack.packb([1.0, [{**STORED_MAP, "block_hashes": [b"x"]}]])),
         ("sglang", msgpack.packb([1.0, [["BlockStored", [1], None, [[1, -2]], 1, None]]])),
@@ -226,8 +230,11 @@ def test_trtllm_streaming_maps() -> None:
     ],
 )
 def test_what_is_no_batch_raises_the_one_error(flavour: str, payload: bytes) -> None:
+    decoder = FlavourDecoder(flavour)  # type: ignore[arg-type]
     with pytest.raises(UpstreamPayloadError):
-        FlavourDecoder(flavour).decode(payload)  # type: ignore[arg-type]
+        decoder.decode(payload)
+    with pytest.raises(UpstreamPayloadError):  # a slice of each event: refused the same
+        list(decoder.decode_stepwise(payload, slice_bytes=1))
 
 
 def test_a_payload_over_the_limit_is_refused_before_decoding() -> None:
