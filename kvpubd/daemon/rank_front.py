@@ -399,19 +399,17 @@ class RankFront:
         checked here as it would be alone; the replies put back in the batch's order."""
         replies: list[bytes | None] = []  # an entry's reply made here, None for a worker's
         by_rank: dict[int, list[tuple[int, Store | Release, _OpenRequest | None]]] = {}
-        # Per rank, the stores still on their way (from earlier messages) that a release of
-        # this batch closes: its part goes once they are answered (see _release).
+        # Per rank, the stores still on their way from another connection that a release of
+        # this batch closes: its part goes once they are answered (see _release; a store of
+        # this batch came on this connection, so it never waits for one).
         awaited: dict[int, list[_OpenRequest]] = {}
-        opened_here: set[int] = set()
         for index, entry in enumerate(request.requests):
             if isinstance(entry, Release):
                 store = self._open.get(entry.request_id)
-                if store is not None and self._must_wait(store) and id(store) not in opened_here:
+                if store is not None and self._must_wait(store):
                     awaited.setdefault(store.rank, []).append(store)
             try:
                 rank, opened = self._batch_route(request, entry, owner)
-                if opened is not None:
-                    opened_here.add(id(opened))
             except CacheError as exc:
                 replies.append(error_reply(entry.id, exc.code, exc.message))
                 continue
