@@ -66,6 +66,7 @@ DISCARD_FRAMES = 2048
 # before, of requests it had carried out.
 BACKLOG_RETRY_S = 0.005
 MAX_REFUSALS_HELD = 10_000
+BACKLOG_SENDS = 256  # waiting replies sent per loop turn at most
 # Plain ints: pyzmq's send_multipart combines its flag enums per frame, which costs more than
 # the three sends themselves.
 _REPLY_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -374,29 +375,36 @@ class ControlServer:
             self._unsent = {peer: t for peer, t in self._unsent.items() if not t.done}
         self._unsent[identity] = tracker
 
-    def _retry_later(self) -> None:
+    def _retry_later(self, delay_s: float = BACKLOG_RETRY_S) -> None:
         if self._retry is None:
             loop = asyncio.get_running_loop()
-            self._retry = loop.call_later(BACKLOG_RETRY_S, self._send_backlog)
+            self._retry = loop.call_later(delay_s, self._send_backlog)
 
     def _send_backlog(self) -> None:
-        """Send what waits for each client, in order, as far as its queue takes it."""
+        """Send what waits for each client, in order, as far as its queue takes it, and
+        BACKLOG_SENDS replies in all at most: a client that reads again may have 10 000
+        refusals waiting, a few tens of milliseconds of sends in one step."""
         self._retry = None
         if self._sock is None:
             return
+        budget = BACKLOG_SENDS
         for peer, waiting in list(self._backlog.items()):
             try:
-                while waiting:
+                while waiting and budget:
                     self._write(*waiting[0])
                     waiting.popleft()
+                    budget -= 1
             except zmq.Again:
                 continue  # still full
             except zmq.ZMQError as exc:  # the client is gone
                 log.debug("control: %d replies dropped: %s", len(waiting), exc)
+                waiting.clear()
+            if waiting:
+                break  # the budget is spent: the rest on the next turn
             del self._backlog[peer]
             self._refusals_held.pop(peer, None)
         if self._backlog:
-            self._retry_later()
+            self._retry_later(0 if not budget else BACKLOG_RETRY_S)
         self._rearm()
 
     def _send_settled(
