@@ -228,7 +228,8 @@ class Service:
                 if not self._reload_again:
                     return
         finally:
-            self._notifier.ready("reloaded")
+            if not self._exit.is_set():  # a reload cut short by a stop: STOPPING=1 was sent
+                self._notifier.ready("reloaded")
 
     def _apply_reload(self, fresh: Settings) -> None:
         self._set_log_level(fresh.service.log_level)
