@@ -103,14 +103,12 @@ class ReplayReader:
         self.max_bytes = MAX_REPLAY_BYTES if max_bytes is None else max_bytes
         self.received_bytes = 0
 
-    @property
-    def too_large(self) -> bool:
-        """The answer passed ``max_bytes``: given up (a publisher streaming batches with no end
-        grew the subscriber by a gigabyte in seconds)."""
-        return self.received_bytes > self.max_bytes
-
     def add(self, frames: list[bytes]) -> bool:
         self.received_bytes += sum(map(len, frames))
+        if self.received_bytes > self.max_bytes:
+            # Given up: a publisher streaming batches with no end grew the subscriber by a
+            # gigabyte in seconds.
+            raise ReplayTooLarge(f"a replay answer over {self.max_bytes} bytes: given up")
         try:
             item = parse_replay_message(frames)
         except ValueError:
@@ -141,7 +139,7 @@ def _read_replay(
     """Ask ``sock`` (a connected DEALER) for every batch from ``start_seq``; None when the
     answer did not finish within ``timeout`` seconds of silence, or within
     ``REPLAY_TOTAL_TIMEOUTS`` times that in all (a replay that trickles ends too);
-    ReplayTooLarge past the reader's ``max_bytes``."""
+    ReplayTooLarge (from the reader) past MAX_REPLAY_BYTES."""
     sock.send_multipart(_replay_request(start_seq))
     reader = ReplayReader(topic)
     deadline = time.monotonic() + REPLAY_TOTAL_TIMEOUTS * timeout
@@ -151,8 +149,6 @@ def _read_replay(
             return None
         if reader.add(sock.recv_multipart()):
             return reader.batches
-        if reader.too_large:
-            raise ReplayTooLarge(f"a replay answer over {reader.max_bytes} bytes: given up")
 
 
 def replay(
@@ -718,5 +714,3 @@ class AsyncSubscriber(_Base[zmq.asyncio.Context, AsyncControlClient]):
                 return None
             if reader.add(await sock.recv_multipart()):
                 return reader.batches
-            if reader.too_large:
-                raise ReplayTooLarge(f"a replay answer over {reader.max_bytes} bytes: given up")
